@@ -1,0 +1,406 @@
+"""
+The generator process: a vLLM engine driven one step at a time, so that new
+weights can land between two decode steps, and the bookkeeping that says which
+weights produced each token and which KV it read.
+
+    trainer (rank 0) --- torch.distributed broadcast (nccl | gloo) ---> vLLM worker (rank 1)
+    trainer <--------- bounded torch.multiprocessing queue ------------ generator loop
+
+What crosses the queue is one dict per finished answer (see Rollout.to_sample).
+What the regime (regimes.py) does with the answers in flight when weights arrive
+is the only thing that differs between the five regimes; this file is the rest.
+"""
+
+import os
+import queue
+import sys
+import time
+import traceback
+
+# -----------------------------------------------------------------------------
+# weight sync: trainer side (rank 0) and vLLM worker side (rank 1)
+
+
+def weight_specs(state_dict):
+    """(name, dtype, shape) of every tensor, in send order. We send the state_dict,
+    not named_parameters(): the latter leaves out tied weights (lm_head.weight on
+    Qwen3-0.6B and the tiny model), and vLLM then keeps its load-time copy."""
+    return [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state_dict.items()]
+
+
+def init_weight_group(host, port, rank, backend):
+    """The two-member group trainer <-> vLLM worker, made with vLLM's stateless
+    helper so it leaves torch.distributed's global state (vLLM's own) alone."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    return stateless_init_torch_distributed_process_group(host, port, rank, world_size=2, backend=backend)
+
+
+def send_weights(group, state_dict, device):
+    """Broadcast every tensor from rank 0; returns the receiver's checksum, which
+    the caller compares with its own to prove every byte arrived."""
+    for t in state_dict.values():
+        group.broadcast(t.detach().to(device).contiguous(), root=0).wait()
+    import torch
+    ack = torch.zeros((), dtype=torch.float64, device=device)
+    group.broadcast(ack, root=1).wait()  # the worker answers once it has loaded everything
+    return ack.item()
+
+
+def checksum(state_dict):
+    """Sum of all entries in float64: cheap, and a missing or garbled tensor moves it."""
+    return sum(t.double().sum().item() for t in state_dict.values())
+
+
+class WeightReceiver:
+    """vLLM worker extension (`worker_extension_cls`): these methods run inside the
+    vLLM worker, called through `engine.collective_rpc(name, args)`."""
+
+    def init_weight_group(self, host, port, backend):
+        self.weight_group = init_weight_group(host, port, rank=1, backend=backend)
+
+    def receive_weights(self, specs):
+        import torch
+        total = [0.0]
+
+        # nccl moves GPU tensors; gloo moves CPU tensors (also for one shared GPU,
+        # where NCCL refuses two ranks on the same device)
+        device = self.device if self.weight_group.name() == "NCCL" else "cpu"
+
+        def stream():  # receive one tensor at a time; reload_weights consumes lazily
+            for name, dtype, shape in specs:
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                self.weight_group.broadcast(t, root=0).wait()
+                total[0] += t.double().sum().item()
+                yield name, t
+        # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
+        # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
+        # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
+        self.reload_weights(weights_iterator=stream())
+        ack = torch.tensor(total[0], dtype=torch.float64, device=device)
+        self.weight_group.broadcast(ack, root=1).wait()
+        return total[0]
+
+# -----------------------------------------------------------------------------
+# one answer in flight, and what the trainer gets when it finishes
+
+
+class Rollout:
+    """One answer being written. Per generated token: the weight version that
+    sampled it, its logprob under the distribution actually sampled from, and
+    whether the forward pass that produced it read KV written by older weights."""
+
+    def __init__(self, sample_id, prompt_id, group_id, prompt_ids, max_tokens):
+        self.sample_id, self.prompt_id, self.group_id = sample_id, prompt_id, group_id
+        self.prompt_ids, self.max_tokens = list(prompt_ids), max_tokens
+        self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
+        self.kv_version = None  # weights that wrote the oldest KV this request reads (set at prefill)
+        self.attempt = 0  # bumped each time the request is re-submitted to vLLM
+        self.submitted = time.time()
+        self.recomputed = 0  # tokens whose KV was rebuilt under newer weights
+
+    @property
+    def request_id(self):
+        return f"{self.sample_id}.{self.attempt}"
+
+    def record(self, token_ids, logprobs, version):
+        if self.kv_version is None:  # this step was the (unchunked) prefill
+            self.kv_version = version
+        for tok, lp in zip(token_ids, logprobs):
+            self.tokens.append(tok)
+            self.logprobs.append(lp)
+            self.versions.append(version)
+            self.stale.append(self.kv_version < version)
+
+    def to_sample(self, finish_reason):
+        import torch
+        return dict(
+            sample_id=self.sample_id, prompt_id=self.prompt_id, group_id=self.group_id,
+            prompt_ids=torch.tensor(self.prompt_ids, dtype=torch.int32),
+            token_ids=torch.tensor(self.tokens, dtype=torch.int32),
+            logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
+            versions=torch.tensor(self.versions, dtype=torch.int32),
+            stale=torch.tensor(self.stale, dtype=torch.bool),
+            recomputed=self.recomputed, finish_reason=finish_reason,
+            submitted=self.submitted, finished=time.time(),
+        )
+
+    def restart(self):
+        """Forget the partial answer (the discard regime)."""
+        self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
+        self.kv_version = None
+
+# -----------------------------------------------------------------------------
+# the engine, driven step by step
+
+
+def make_engine(cfg):
+    """vLLM's LLMEngine, in this process. With VLLM_ENABLE_V1_MULTIPROCESSING=0
+    (set by the spawner) the engine core lives in this process and one step()
+    is one scheduler step + one forward pass, finished when step() returns: no
+    forward pass can be in flight while weights load. (With the default
+    multiprocess core, the core keeps stepping on its own and step() only
+    collects outputs, so a switch could not be placed between two known steps.)"""
+    from vllm import EngineArgs, LLMEngine
+    on_gpu = cfg["gen_device"].startswith("cuda")
+    max_len = cfg["max_model_len"]
+    args = EngineArgs(
+        model=cfg["model_path"], tokenizer=cfg["model_path"], seed=cfg["seed"],
+        dtype="bfloat16" if on_gpu else "float32",
+        max_model_len=max_len,
+        max_num_seqs=cfg["max_num_seqs"],
+        # prefix caching would hand KV written by old weights to *new* requests
+        # (GRPO groups share prompts): off, so every request's KV is its own
+        enable_prefix_caching=False,
+        # unchunked prefill: a prompt's KV is written in one step, by one version
+        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048),
+        # logprob of the sampled token under the distribution actually sampled
+        # from (after temperature), which is the behaviour policy the trainer needs
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="generator.WeightReceiver",
+        gpu_memory_utilization=cfg["gpu_memory_utilization"],
+        enforce_eager=not on_gpu,
+        disable_log_stats=True,
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+class Generator:
+    """Owns the engine, the answers in flight and the weight version. The regime
+    calls submit/abort/load_weights; everything else is bookkeeping."""
+
+    def __init__(self, cfg, engine, problems, tokenizer, outbox):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        from data import make_prompt
+        self.cfg, self.engine, self.outbox = cfg, engine, outbox
+        self.prompts = [tokenizer(make_prompt(tokenizer, p["question"], cfg["dataset"]),
+                                  add_special_tokens=False)["input_ids"] for p in problems]
+        self.params = lambda max_tokens: SamplingParams(
+            temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,
+            detokenize=False, output_kind=RequestOutputKind.DELTA)
+        self.version = 0
+        self.inflight = {}  # request id -> Rollout
+        self.next_group = cfg.get("start_group", 0)  # groups ever admitted (data position)
+        self.admitting = True  # drain turns this off while it finishes old answers
+        self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
+                          recomputed_tokens=0, loads=0)
+        self.activity = None
+
+    def set_activity(self, what):
+        """Timeline entry (events.jsonl) when what the generator does changes."""
+        if what != self.activity:
+            self.activity = what
+            self.outbox.append(("event", dict(t=time.time(), proc="generator", what=what, version=self.version)))
+
+    # -- what regimes call
+
+    def submit(self, r):
+        """(Re)start a request: prompt + whatever was generated so far is prefilled."""
+        r.attempt += 1
+        prompt = dict(prompt_token_ids=r.prompt_ids + r.tokens)
+        self.engine.add_request(r.request_id, prompt, self.params(r.max_tokens - len(r.tokens)))
+        self.inflight[r.request_id] = r
+
+    def abort_all(self):
+        """Take every answer out of the engine (its KV is freed); returns them."""
+        self.engine.abort_request(list(self.inflight))
+        rollouts, self.inflight = list(self.inflight.values()), {}
+        return rollouts
+
+    def load_weights(self, version, specs):
+        """Receive the broadcast and load it in place, between two engine steps."""
+        self.set_activity("loading")
+        t0 = time.time()
+        self.engine.collective_rpc("receive_weights", args=(specs,))
+        self.version = version
+        self.stats["loads"] += 1
+        self.stats["load_s"] = self.stats.get("load_s", 0.0) + time.time() - t0
+
+    # -- the loop's parts
+
+    def may_admit(self):
+        """AReaL's staleness bound: at most (version + max_lag + 1) batches ever
+        admitted, so nothing admitted now is consumed more than max_lag versions
+        after the weights that started it."""
+        budget = (self.version + self.cfg["max_lag"] + 1) * self.cfg["prompts_per_step"]
+        return self.admitting and self.next_group < budget and len(self.outbox) < 4 * self.cfg["group_size"]
+
+    def admit(self):
+        while self.may_admit():
+            g = self.next_group
+            pid = g % len(self.prompts)  # the problem list is already shuffled
+            for i in range(self.cfg["group_size"]):
+                self.submit(Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"]))
+            self.next_group += 1
+
+    def step(self):
+        """One engine step; finished answers go to the outbox."""
+        t0 = time.time()
+        for out in self.engine.step():
+            r = self.inflight.get(out.request_id)
+            if r is None:  # output of a request aborted this step
+                continue
+            c = out.outputs[0]
+            lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+            r.record(c.token_ids, lps, self.version)
+            self.stats["gen_tokens"] += len(c.token_ids)
+            if out.finished:
+                del self.inflight[out.request_id]
+                self.outbox.append(("sample", r.to_sample(c.finish_reason)))
+        self.stats["gen_busy_s"] += time.time() - t0
+
+# -----------------------------------------------------------------------------
+# the process
+
+
+def generator_main(cfg, samples_q, control_q):
+    """Entry point of the spawned generator process. Its device was chosen by the
+    spawner's environment (CUDA_VISIBLE_DEVICES / VLLM_CPU_OMP_THREADS_BIND),
+    which the process read before importing torch or vLLM."""
+    try:
+        run_generator(cfg, samples_q, control_q)
+    except KeyboardInterrupt:  # Ctrl-C reaches both processes; the trainer reports it
+        pass
+    except BaseException:
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)  # in the log even if the trainer is gone
+        samples_q.put(("error", tb))
+        samples_q.close()
+        samples_q.join_thread()  # flush the error to the pipe before exiting
+        raise SystemExit(1)
+
+
+def run_generator(cfg, samples_q, control_q):
+    import random
+    import torch
+    from transformers import AutoTokenizer
+    from data import load_problems
+    from regimes import make_regime
+    torch.set_num_threads(cfg["gen_threads"])
+    regime = make_regime(cfg["regime"])
+    if getattr(regime, "max_lag", None) is not None:
+        cfg = dict(cfg, max_lag=regime.max_lag)
+    problems = load_problems(cfg["dataset"], "train", data_file=cfg.get("data_file"), steps=cfg["synth_steps"])
+    random.Random(cfg["seed"]).shuffle(problems)  # trainer shuffles identically to look up answers
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+    engine = make_engine(cfg)
+    samples_q.put(("engine_ready", None))
+    engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], cfg["sync_backend"]))
+    outbox = []
+    gen = Generator(cfg, engine, problems, tokenizer, outbox)
+    pending = None  # (version, specs) of weights the trainer is broadcasting
+    while True:
+        try:  # control messages: new weights, or stop
+            while True:
+                msg = control_q.get_nowait()
+                if msg[0] == "stop":
+                    return
+                pending = msg[1:]
+        except queue.Empty:
+            pass
+        if pending is not None and regime.switch(gen, *pending):
+            pending = None
+        gen.admit()
+        if gen.inflight:
+            gen.set_activity("draining" if not gen.admitting else "generating")
+            gen.step()
+        else:  # nothing to do: wait for weights (sync, max-lag) or for the trainer to drain the queue
+            gen.set_activity("idle")
+            t0 = time.time()
+            time.sleep(0.005)
+            gen.stats["gen_idle_s"] += time.time() - t0
+        while outbox:  # never block on a full queue: the control queue must stay served
+            kind, item = outbox[0]
+            if kind == "sample":
+                item["gen_stats"] = dict(gen.stats, version=gen.version)
+            try:
+                samples_q.put_nowait((kind, item))
+            except queue.Full:
+                break
+            outbox.pop(0)
+
+# -----------------------------------------------------------------------------
+# the trainer's handle on the generator process
+
+
+class GeneratorDied(RuntimeError):
+    pass
+
+
+class GeneratorHandle:
+    """Trainer side: spawns the generator, pushes weights, receives samples and
+    events, and turns any death of the generator into an exception that carries
+    the generator's own traceback."""
+
+    def __init__(self, cfg, env):
+        import socket
+        import torch.multiprocessing as mp
+        with socket.socket() as s:  # a free port for the weight group's rendezvous
+            s.bind((cfg["sync_host"], 0))
+            cfg = dict(cfg, sync_port=s.getsockname()[1])
+        ctx = mp.get_context("spawn")  # vLLM and CUDA do not survive fork
+        self.samples_q = ctx.Queue(maxsize=cfg["queue_size"])  # bounded: back-pressure
+        self.control_q = ctx.Queue()
+        # the child reads its device from the environment before importing torch
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            self.proc = ctx.Process(target=generator_main, args=(cfg, self.samples_q, self.control_q),
+                                    daemon=True, name="inflight-generator")
+            self.proc.start()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        self.cfg, self.version = cfg, 0
+        self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
+        kind, _ = self.get(timeout=cfg["start_timeout"])
+        assert kind == "engine_ready", kind
+        self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, cfg["sync_backend"])
+
+    def get(self, timeout):
+        """Next (kind, item) from the generator, or None after `timeout` seconds."""
+        deadline = time.time() + timeout
+        while True:
+            try:
+                kind, item = self.samples_q.get(timeout=min(1.0, max(0.0, deadline - time.time())))
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise GeneratorDied(f"generator process died (exit code {self.proc.exitcode})")
+                if time.time() >= deadline:
+                    return None
+                continue
+            if kind == "error":
+                raise GeneratorDied("generator process failed:\n" + item)
+            return kind, item
+
+    def push(self, state_dict):
+        """Broadcast new weights; returns once the generator has loaded them. Blocks
+        while the regime makes the generator wait (drain: until in-flight answers
+        finish) -- that wait is part of the sync time the trainer reports."""
+        self.version += 1
+        self.control_q.put(("weights", self.version, weight_specs(state_dict)))
+        try:
+            got = send_weights(self.group, state_dict, self.transfer_device)
+        except Exception as e:  # a dead peer breaks the broadcast; say why it died
+            self.proc.join(timeout=5)
+            while True:
+                try:
+                    msg = self.samples_q.get(timeout=1)
+                except queue.Empty:
+                    raise GeneratorDied(f"weight broadcast failed ({e}); generator exit code {self.proc.exitcode}")
+                except Exception:  # a sample whose shared memory died with its sender
+                    continue
+                if msg[0] == "error":
+                    raise GeneratorDied("generator process failed:\n" + msg[1]) from e
+        want = checksum(state_dict)
+        if abs(got - want) > 1e-6 * max(1.0, abs(want)):
+            raise RuntimeError(f"weight sync v{self.version}: generator checksum {got} != trainer {want}")
+        return self.version
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.control_q.put(("stop",))
+            self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()

@@ -1,0 +1,142 @@
+"""
+The five regimes: what happens to half-written answers when weights v+1 arrive.
+
+Each regime is one class with one method, `switch(gen, version, specs)`, called by
+the generator loop (generator.py) on every iteration while new weights wait. It
+returns True once it has loaded them. Everything it may do to the generator:
+
+    gen.load_weights(version, specs)  receive the broadcast, load in place (between two steps)
+    gen.abort_all()                   take every answer out of vLLM, freeing its KV; returns them
+    gen.submit(rollout)               (re)start an answer: prompt + its tokens so far are prefilled
+    gen.admitting = False/True        stop / resume admitting new prompts
+    gen.inflight                      the answers vLLM is writing now
+
+Per-token bookkeeping (generator.Rollout.record) follows from these calls: a token
+carries the version loaded when it was sampled, and is flagged stale when its
+request's oldest KV was written by an older version than that.
+
+| regime    | in-flight answers at the switch             | off-policy afterwards         | cost                     |
+|-----------|---------------------------------------------|-------------------------------|--------------------------|
+| sync      | none (one batch per version)                | nothing                       | generator idles in training |
+| drain     | finish under v, then load                   | whole answers one version old | idle slots while draining |
+| discard   | aborted, tokens and KV thrown away          | nothing spans versions        | discarded tokens         |
+| stale     | continue: v+1 reads KV written by v         | tokens after the switch stale | nothing                  |
+| recompute | KV of prompt + partial rebuilt under v+1    | prefix tokens from v          | recomputed (prefill) tokens |
+"""
+
+import time
+
+
+class Sync:
+    """A (classic GRPO). Generate one batch with v, hand it over, wait, load v+1.
+
+    Nothing is ever in flight at a switch: the admission bound is forced to
+    max_lag = 0, so after its batch the generator sits idle until the trainer
+    has trained on it and pushed v+1. Fully on-policy (lag 0), and the most
+    expensive: generator and trainer never work at the same time."""
+
+    max_lag = 0
+
+    def switch(self, gen, version, specs):
+        assert not gen.inflight, "sync admits one batch per version; nothing may be in flight"
+        gen.load_weights(version, specs)
+        return True
+
+
+class Drain:
+    """B. Stop admitting prompts, let the answers in flight finish under v, then
+    load v+1 and resume.
+
+    No answer spans two versions and no token reads stale KV, but answers finished
+    during the drain are one version old when the trainer gets them. Cost: while
+    draining, the batch shrinks as answers finish and the freed slots stay empty
+    until the longest answer is done; that wall time is counted in gen_idle_s (as
+    drain_s too). The trainer's push blocks meanwhile (sync_s)."""
+
+    def __init__(self):
+        self.drain_start = None
+
+    def switch(self, gen, version, specs):
+        if gen.inflight:
+            if self.drain_start is None:
+                self.drain_start = time.time()
+                gen.admitting = False
+                gen.set_activity("draining")
+            return False
+        if self.drain_start is not None:
+            waited = time.time() - self.drain_start
+            gen.stats["drain_s"] = gen.stats.get("drain_s", 0.0) + waited
+            gen.stats["gen_idle_s"] += waited
+            self.drain_start = None
+        gen.load_weights(version, specs)
+        gen.admitting = True
+        return True
+
+
+class Discard:
+    """C. Abort the answers in flight, throw away their tokens and KV, and restart
+    those prompts under v+1.
+
+    Every finished answer comes from one version, with fresh KV: nothing is
+    off-policy except by waiting in the pool. Cost: all tokens generated for the
+    aborted answers are wasted (discarded_tokens), and long answers are the ones
+    most often cut, so the surviving batch is biased towards short answers."""
+
+    def switch(self, gen, version, specs):
+        aborted = gen.abort_all()
+        gen.load_weights(version, specs)
+        for r in aborted:
+            gen.stats["discarded_tokens"] += len(r.tokens)
+            r.restart()
+            gen.submit(r)
+        return True
+
+
+class Stale:
+    """D (PipelineRL). Load v+1 between two decode steps and keep going.
+
+    The KV cache is left as it is: for an answer with k tokens at the switch, the
+    KV of the prompt and the first k-1 tokens was written by v (token k has been
+    sampled but not yet fed through the model; v+1 writes its KV in the next
+    step). Every later token is sampled by v+1 attending to that old KV: flagged
+    stale. Its generation-time logprob is what that mixed computation gave, so
+    the trainer's importance weights see it as it was. Cost: none in compute;
+    the price is in the quality of the tokens after the switch."""
+
+    def switch(self, gen, version, specs):
+        gen.load_weights(version, specs)
+        return True
+
+
+class Recompute:
+    """E (AReaL). Load v+1, then rebuild the KV of prompt + partial answer under
+    v+1 and keep going.
+
+    vLLM has no call to overwrite a running request's KV, so the answer is
+    aborted (freeing its KV) and re-submitted with prompt + partial answer as
+    the new prompt: one prefill under v+1 rebuilds all of it (prefix caching is
+    off, so no block written by v can be reused). The partial answer keeps its
+    original tokens, logprobs and versions: those tokens were sampled by v and
+    the trainer must weight them as such. No token reads stale KV. Cost: one
+    prefill of prompt + partial per answer in flight (recomputed_tokens)."""
+
+    def switch(self, gen, version, specs):
+        aborted = gen.abort_all()
+        gen.load_weights(version, specs)
+        for r in aborted:
+            if r.tokens:  # an answer not yet prefilled has nothing to rebuild
+                r.kv_version = None  # its KV is about to be written by v+1
+                n = len(r.prompt_ids) + len(r.tokens)
+                r.recomputed += n
+                gen.stats["recomputed_tokens"] += n
+            gen.submit(r)
+        return True
+
+
+REGIMES = {"sync": Sync, "drain": Drain, "discard": Discard, "stale": Stale, "recompute": Recompute}
+
+
+def make_regime(name):
+    if name not in REGIMES:
+        raise ValueError(f"unknown regime {name!r}, expected one of {list(REGIMES)}")
+    return REGIMES[name]()

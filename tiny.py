@@ -1,0 +1,133 @@
+"""
+The tiny preset: a ~0.8M-parameter Qwen3-architecture model and a word-level
+tokenizer, both built here (no hub), warm-started by a short supervised phase on
+the synthetic task so that RL has signal (some answers right) and headroom (many
+wrong). Saved in Hugging Face format, so vLLM and transformers load it like any
+checkpoint.
+
+    python tiny.py            # build (or find) the cached model, print its directory
+
+The result is cached under out/tiny-<hash>/, where the hash covers the recipe
+below and the code that makes the data and the model: change either and the next
+run rebuilds it.
+"""
+
+import hashlib
+import inspect
+import json
+import math
+import os
+import random
+import time
+
+RECIPE = dict(
+    hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384, max_pos=512,
+    sft_steps=300, batch=32, lr=3e-3, warmup=30, min_steps=1, max_steps=8, seed=0,
+)
+EOS = "<|endoftext|>"
+
+
+def build_tokenizer():
+    """Word-level tokenizer: words keep a leading '▁' for the space before them,
+    digits are single tokens (so arithmetic is learnable), punctuation and '\\n'
+    are tokens. Decoding turns '▁' back into spaces, so text round-trips exactly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, Regex
+    from transformers import PreTrainedTokenizerFast
+    from data import synth_split, make_prompt
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never"),
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Punctuation(),
+    ])
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
+    corpus = []
+    for steps in range(1, 17):  # every word the synth task can produce, at any length
+        for p in synth_split("train", 200, steps):
+            corpus.append(make_prompt(None, p["question"], "synth") + " " + p["solution"])
+    words = sorted({w for text in corpus for w, _ in tok.pre_tokenizer.pre_tokenize_str(text)})
+    specials = [EOS, "[UNK]"]
+    tok.model = models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="[UNK]")
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token="[UNK]")
+
+
+def build_model(vocab_size, r):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=r["hidden"], intermediate_size=r["ffn"],
+        num_hidden_layers=r["layers"], num_attention_heads=r["heads"],
+        num_key_value_heads=r["kv_heads"], head_dim=r["head_dim"],
+        max_position_embeddings=r["max_pos"], tie_word_embeddings=True, rope_theta=10000.0,
+        eos_token_id=0, pad_token_id=0, bos_token_id=0, torch_dtype="float32",
+    )
+    torch.manual_seed(r["seed"])
+    return Qwen3ForCausalLM(config)
+
+
+def sft(model, tokenizer, r):
+    """Teacher-forced cross-entropy on the worked solutions (prompt tokens masked)."""
+    import torch
+    from tqdm import tqdm
+    from data import synth_problem, make_prompt
+    rng = random.Random(r["seed"])
+    opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], weight_decay=0.01)
+    model.train()
+    for step in (bar := tqdm(range(r["sft_steps"]), desc="tiny warm-start", unit="step")):
+        ids, labels = [], []
+        for _ in range(r["batch"]):
+            p = synth_problem(rng, rng.randint(r["min_steps"], r["max_steps"]))
+            prompt = tokenizer(make_prompt(None, p["question"], "synth"))["input_ids"]
+            answer = tokenizer(" " + p["solution"])["input_ids"] + [tokenizer.eos_token_id]
+            ids.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+        width = max(map(len, ids))  # right-pad to the longest sequence in the batch
+        x = torch.tensor([s + [0] * (width - len(s)) for s in ids])
+        y = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
+        mask = (torch.arange(width)[None] < torch.tensor([len(s) for s in ids])[:, None]).long()
+        lr = r["lr"] * min(1, (step + 1) / r["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / r["sft_steps"]))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = model(input_ids=x, attention_mask=mask, labels=y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+
+def recipe_hash():
+    import data
+    code = inspect.getsource(data.synth_problem) + inspect.getsource(data.make_prompt)
+    code += inspect.getsource(build_tokenizer) + inspect.getsource(build_model) + inspect.getsource(sft)
+    return hashlib.sha256((json.dumps(RECIPE, sort_keys=True) + code).encode()).hexdigest()[:10]
+
+
+def tiny_model_dir(root="out"):
+    """Directory of the warm-started tiny model, building it on first use."""
+    path = os.path.join(root, f"tiny-{recipe_hash()}")
+    if os.path.exists(os.path.join(path, "recipe.json")):
+        return path
+    import torch
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    t0 = time.time()
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer), RECIPE)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"building the tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)} -> {path}")
+    sft(model, tokenizer, RECIPE)
+    tmp = path + ".tmp"  # write then rename: a crash never leaves a half-written cache
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "recipe.json"), "w") as f:
+        json.dump(dict(RECIPE, params=n_params, build_s=round(time.time() - t0, 1)), f, indent=1)
+    os.replace(tmp, path) if not os.path.exists(path) else None
+    print(f"tiny model ready in {time.time() - t0:.0f}s")
+    return path
+
+
+if __name__ == "__main__":
+    print(tiny_model_dir())

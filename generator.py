@@ -178,13 +178,14 @@ class Generator:
         self.params = lambda max_tokens: SamplingParams(
             temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,
             detokenize=False, output_kind=RequestOutputKind.DELTA)
-        self.version = 0
+        self.version = self.start_version = cfg["start_version"]  # > 0 when resuming
         self.inflight = {}  # request id -> Rollout
-        self.next_group = cfg.get("start_group", 0)  # groups ever admitted (data position)
+        self.next_group = self.start_group = cfg["start_group"]  # data position
         self.admitting = True  # drain turns this off while it finishes old answers
         self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
                           recomputed_tokens=0, loads=0)
         self.activity = None
+        self.eval_out = {}  # eval request id -> token ids (None while running)
 
     def set_activity(self, what):
         """Timeline entry (events.jsonl) when what the generator does changes."""
@@ -222,8 +223,9 @@ class Generator:
         """AReaL's staleness bound: at most (version + max_lag + 1) batches ever
         admitted, so nothing admitted now is consumed more than max_lag versions
         after the weights that started it."""
-        budget = (self.version + self.cfg["max_lag"] + 1) * self.cfg["prompts_per_step"]
-        return self.admitting and self.next_group < budget and len(self.outbox) < 4 * self.cfg["group_size"]
+        versions = self.version - self.start_version + self.cfg["max_lag"] + 1
+        budget = self.start_group + versions * self.cfg["prompts_per_step"]
+        return self.admitting and self.next_group < budget and len(self.outbox) < self.cfg["queue_size"]
 
     def admit(self):
         while self.may_admit():
@@ -237,6 +239,9 @@ class Generator:
         """One engine step; finished answers go to the outbox."""
         t0 = time.time()
         for out in self.engine.step():
+            if out.request_id in self.eval_out:
+                self.eval_out[out.request_id] = list(out.outputs[0].token_ids)
+                continue
             r = self.inflight.get(out.request_id)
             if r is None:  # output of a request aborted this step
                 continue
@@ -248,6 +253,27 @@ class Generator:
                 del self.inflight[out.request_id]
                 self.outbox.append(("sample", r.to_sample(c.finish_reason)))
         self.stats["gen_busy_s"] += time.time() - t0
+
+    def evaluate(self, prompts, max_tokens):
+        """Greedy answers under the weights loaded now. Training answers in flight
+        share these steps; no weights load until the evaluation is done, so their
+        bookkeeping is unaffected."""
+        from tqdm import tqdm
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        self.set_activity("evaluating")
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        ids = [f"eval{self.version}-{i}" for i in range(len(prompts))]
+        self.eval_out = dict.fromkeys(ids)
+        for rid, p in zip(ids, prompts):
+            self.engine.add_request(rid, dict(prompt_token_ids=p), params)
+        with tqdm(total=len(ids), desc=f"eval v{self.version}", leave=False) as bar:
+            while (done := sum(v is not None for v in self.eval_out.values())) < len(ids):
+                self.step()
+                bar.update(done - bar.n)
+        results, self.eval_out = [self.eval_out[i] for i in ids], {}
+        return results
 
 # -----------------------------------------------------------------------------
 # the process
@@ -288,18 +314,24 @@ def run_generator(cfg, samples_q, control_q):
     engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], cfg["sync_backend"]))
     outbox = []
     gen = Generator(cfg, engine, problems, tokenizer, outbox)
-    pending = None  # (version, specs) of weights the trainer is broadcasting
+    pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     while True:
-        try:  # control messages: new weights, or stop
+        try:  # control messages, in order: new weights, evaluate, stop
             while True:
                 msg = control_q.get_nowait()
                 if msg[0] == "stop":
                     return
-                pending = msg[1:]
+                if msg[0] == "weights":
+                    pending = msg[1:]
+                else:
+                    evals.append(msg[1:])
         except queue.Empty:
             pass
         if pending is not None and regime.switch(gen, *pending):
             pending = None
+        if pending is None and evals:
+            prompts, max_tokens = evals.pop(0)
+            outbox.append(("eval", dict(version=gen.version, token_ids=gen.evaluate(prompts, max_tokens))))
         gen.admit()
         if gen.inflight:
             gen.set_activity("draining" if not gen.admitting else "generating")
@@ -351,11 +383,22 @@ class GeneratorHandle:
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        self.cfg, self.version = cfg, 0
+        self.cfg, self.version = cfg, cfg["start_version"]
         self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
         kind, _ = self.get(timeout=cfg["start_timeout"])
         assert kind == "engine_ready", kind
         self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, cfg["sync_backend"])
+
+    def evaluate(self, prompts, max_tokens, timeout=3600):
+        """Greedy completions (token ids) of `prompts` under the generator's weights;
+        samples that arrive meanwhile are returned too, for the trainer's pool."""
+        self.control_q.put(("eval", prompts, max_tokens))
+        other = []
+        while (msg := self.get(timeout)) is not None:
+            if msg[0] == "eval":
+                return msg[1]["token_ids"], other
+            other.append(msg)
+        raise GeneratorDied(f"no eval result within {timeout}s")
 
     def get(self, timeout):
         """Next (kind, item) from the generator, or None after `timeout` seconds."""
@@ -365,13 +408,29 @@ class GeneratorHandle:
                 kind, item = self.samples_q.get(timeout=min(1.0, max(0.0, deadline - time.time())))
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise GeneratorDied(f"generator process died (exit code {self.proc.exitcode})")
+                    self.died("")
                 if time.time() >= deadline:
                     return None
                 continue
+            except (EOFError, OSError) as e:  # a sample whose shared memory died with its sender
+                self.died(f" ({type(e).__name__} reading its queue)")
             if kind == "error":
                 raise GeneratorDied("generator process failed:\n" + item)
             return kind, item
+
+    def died(self, how):
+        """Raise GeneratorDied with the generator's own traceback when it sent one."""
+        self.proc.join(timeout=5)
+        while True:
+            try:
+                kind, item = self.samples_q.get(timeout=0.5)
+            except queue.Empty:
+                break
+            except (EOFError, OSError):
+                continue
+            if kind == "error":
+                raise GeneratorDied("generator process failed:\n" + item)
+        raise GeneratorDied(f"generator process died{how} (exit code {self.proc.exitcode})")
 
     def push(self, state_dict):
         """Broadcast new weights; returns once the generator has loaded them. Blocks
@@ -381,17 +440,8 @@ class GeneratorHandle:
         self.control_q.put(("weights", self.version, weight_specs(state_dict)))
         try:
             got = send_weights(self.group, state_dict, self.transfer_device)
-        except Exception as e:  # a dead peer breaks the broadcast; say why it died
-            self.proc.join(timeout=5)
-            while True:
-                try:
-                    msg = self.samples_q.get(timeout=1)
-                except queue.Empty:
-                    raise GeneratorDied(f"weight broadcast failed ({e}); generator exit code {self.proc.exitcode}")
-                except Exception:  # a sample whose shared memory died with its sender
-                    continue
-                if msg[0] == "error":
-                    raise GeneratorDied("generator process failed:\n" + msg[1]) from e
+        except RuntimeError as e:  # a dead peer breaks the broadcast: say why it died
+            self.died(f" during the weight broadcast ({str(e).splitlines()[0][:200]})")
         want = checksum(state_dict)
         if abs(got - want) > 1e-6 * max(1.0, abs(want)):
             raise RuntimeError(f"weight sync v{self.version}: generator checksum {got} != trainer {want}")

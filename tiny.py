@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 
 RECIPE = dict(
@@ -119,12 +120,13 @@ def tiny_model_dir(root="out"):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"building the tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)} -> {path}")
     sft(model, tokenizer, RECIPE)
-    tmp = path + ".tmp"  # write then rename: a crash never leaves a half-written cache
+    tmp = f"{path}.tmp{os.getpid()}"  # write then rename: a crash never leaves a half-written cache
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "recipe.json"), "w") as f:
         json.dump(dict(RECIPE, params=n_params, build_s=round(time.time() - t0, 1)), f, indent=1)
-    os.replace(tmp, path) if not os.path.exists(path) else None
+    shutil.rmtree(path, ignore_errors=True)  # a leftover without recipe.json
+    os.replace(tmp, path)
     print(f"tiny model ready in {time.time() - t0:.0f}s")
     return path
 

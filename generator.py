@@ -175,6 +175,7 @@ class Generator:
         self.cfg, self.engine, self.outbox = cfg, engine, outbox
         self.prompts = [tokenizer(make_prompt(tokenizer, p["question"], cfg["dataset"]),
                                   add_special_tokens=False)["input_ids"] for p in problems]
+        self.answers = [p["answer"] for p in problems]  # travel with each sample, for the reward
         self.params = lambda max_tokens: SamplingParams(
             temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,
             detokenize=False, output_kind=RequestOutputKind.DELTA)
@@ -251,7 +252,9 @@ class Generator:
             self.stats["gen_tokens"] += len(c.token_ids)
             if out.finished:
                 del self.inflight[out.request_id]
-                self.outbox.append(("sample", r.to_sample(c.finish_reason)))
+                sample = r.to_sample(c.finish_reason)
+                sample["answer"] = self.answers[r.prompt_id]
+                self.outbox.append(("sample", sample))
         self.stats["gen_busy_s"] += time.time() - t0
 
     def evaluate(self, prompts, max_tokens):
@@ -307,7 +310,7 @@ def run_generator(cfg, samples_q, control_q):
     if getattr(regime, "max_lag", None) is not None:
         cfg = dict(cfg, max_lag=regime.max_lag)
     problems = load_problems(cfg["dataset"], "train", data_file=cfg.get("data_file"), steps=cfg["synth_steps"])
-    random.Random(cfg["seed"]).shuffle(problems)  # trainer shuffles identically to look up answers
+    random.Random(cfg["seed"]).shuffle(problems)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     engine = make_engine(cfg)
     samples_q.put(("engine_ready", None))

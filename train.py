@@ -114,7 +114,10 @@ def resolve_devices(cfg):
     if cfg["gpu_memory_utilization"] is None:
         cfg["gpu_memory_utilization"] = 0.3 if gen == train else 0.85
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the generator process: see generator.make_engine
-           "CUDA_VISIBLE_DEVICES": gen.split(":")[1] if gen.startswith("cuda") else ""}
+           "CUDA_VISIBLE_DEVICES": gen.split(":")[1] if gen.startswith("cuda") else "",
+           # vLLM logs every in-place reload (and warns that the rotary embedding has no
+           # weights to load): quiet by default, VLLM_LOGGING_LEVEL=INFO shows it all
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
     if gen == "cpu":
         cores = sorted(os.sched_getaffinity(0))
         gen_cores = cores[:max(1, len(cores) // 2)]
@@ -261,14 +264,15 @@ def main(argv=None):
         json.dump(cfg, f, indent=1)
     print(json.dumps(cfg, indent=1))
 
-    # data: the generator shuffles the train split with the same seed, so prompt ids agree
-    problems = load_problems(cfg["dataset"], "train", data_file=cfg["data_file"], steps=cfg["synth_steps"])
-    random.Random(cfg["seed"]).shuffle(problems)
+    # the train split is the generator's (each sample carries its answer); the test split is ours
     test = load_problems(cfg["dataset"], "test", n=cfg["eval_n"], data_file=cfg["eval_data_file"],
                          steps=cfg["synth_steps"])
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=dtype).to(device)
+    # float32 master weights everywhere: AdamW at lr 1e-6 on bf16 weights of size ~0.02
+    # rounds most updates away (bf16's spacing there is ~1e-4). On GPU the forward
+    # runs under bf16 autocast, and the push sends bf16, the generator's dtype.
+    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).to(device)
+    gen_dtype = torch.float32 if cfg["gen_device"] == "cpu" else torch.bfloat16
     if device != "cpu":
         model.gradient_checkpointing_enable()  # long answers on a 0.6B model: trade compute for memory
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
@@ -326,14 +330,15 @@ def main(argv=None):
             # 2. rewards and group-normalised advantages
             log.trainer("training")
             texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in batch], skip_special_tokens=True)
-            rewards = torch.tensor([score(t, problems[s["prompt_id"]]["answer"], cfg["dataset"])
+            rewards = torch.tensor([score(t, s["answer"], cfg["dataset"])
                                     for t, s in zip(texts, batch)])
             r = rewards.view(len(batch_groups), cfg["group_size"])
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1).to(device)
 
             # 3. loss and one optimizer step
             model.train()
-            logp, mask = token_logprobs(model, batch, cfg["temperature"], device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+                logp, mask = token_logprobs(model, batch, cfg["temperature"], device)
             behaviour = torch.zeros_like(logp)
             for i, s in enumerate(batch):
                 behaviour[i, :len(s["logprobs"])] = s["logprobs"].to(device)
@@ -346,7 +351,7 @@ def main(argv=None):
             # 4. push the new weights to the generator
             log.trainer("syncing")
             t0 = time.time()
-            new_version = gen.push(model.state_dict())
+            new_version = gen.push({k: v.to(gen_dtype) for k, v in model.state_dict().items()})
             sync_s = time.time() - t0
 
             # 5. log: what explains the run (DESIGN.md's metrics contract)
@@ -365,7 +370,9 @@ def main(argv=None):
                      gen_idle_s=stats["gen_idle_s"] - prev["gen_idle_s"],
                      discarded_tokens=stats["discarded_tokens"] - prev["discarded_tokens"],
                      recomputed_tokens=stats["recomputed_tokens"] - prev["recomputed_tokens"],
-                     answer_len=len(versions) / len(batch), pool_groups=len(pool))
+                     answer_len=len(versions) / len(batch), pool_groups=len(pool),
+                     # how far the behaviour policy is from the trainer's before this step: ~0 when on-policy
+                     behaviour_gap=((logp.detach() - behaviour).abs() * mask).sum().item() / mask.sum().item())
             last_stats, last_t, version = stats, now, new_version
             data_position = max(data_position, 1 + max(g[0]["group_id"] for g in batch_groups))
             if cfg["eval_every"] and step % cfg["eval_every"] == 0 or step == cfg["steps"] and cfg["eval_every"]:

@@ -1,0 +1,148 @@
+"""
+Benchmarks of the generator's two costs, each against a baseline measured in the
+same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
+
+    .venv/bin/python bench_sync.py                 # CPU: tiny model for tokens/s, a ~60M random Qwen3 for sync
+    python bench_sync.py --sync-model Qwen/Qwen3-0.6B --gen-device cuda:0 --train-device cuda:1   # GPUs
+
+1. weight sync: train.py's push (broadcast of every tensor, in-place reload in
+   vLLM, checksum acknowledgement) vs a raw torch.distributed broadcast of the same
+   tensors between the same two kinds of process, no vLLM involved.
+2. generation: generator.py's step loop (one engine.step() at a time, per-token
+   bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
+"""
+
+import argparse
+import os
+import time
+
+
+def raw_receiver(host, port, backend, specs, rounds):
+    """The baseline's receiving end: join a two-member group and receive, nothing else."""
+    import torch
+    from generator import init_weight_group
+    group = init_weight_group(host, port, rank=1, backend=backend)
+    device = "cuda" if backend == "nccl" else "cpu"
+    for _ in range(rounds):
+        for name, dtype, shape in specs:
+            group.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=device), root=0).wait()
+
+
+def bench_sync(args):
+    import socket
+    import torch
+    import torch.multiprocessing as mp
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from generator import GeneratorHandle, init_weight_group, weight_specs
+    from train import parse_config, prepare
+    path = args.sync_model
+    if path == "medium":  # a random Qwen3 big enough that bytes, not per-call overhead, dominate
+        path = os.path.join("out", "bench-medium")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            from tiny import build_tokenizer
+            tok = build_tokenizer()
+            config = AutoConfig.for_model("qwen3", vocab_size=len(tok), hidden_size=768, intermediate_size=2048,
+                                          num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                                          head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
+            AutoModelForCausalLM.from_config(config).save_pretrained(path)
+            tok.save_pretrained(path)
+    cfg = parse_config(["--regime", "stale", "--model", path, "--out", "out/bench", "--gen-device", args.gen_device,
+                        "--train-device", args.train_device, "--max-lag", "-1"])  # admits nothing: idle engine
+    env = prepare(cfg)
+    device = cfg["train_device"]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    sd = model.state_dict()
+    n_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+    gen = GeneratorHandle(cfg, env)
+    gen.push(sd)  # warm-up
+    t0 = time.time()
+    for _ in range(args.rounds):
+        gen.push(sd)
+    push_s = (time.time() - t0) / args.rounds
+    gen.stop()
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    specs = weight_specs(sd)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # same device placement as the generator
+    proc = ctx.Process(target=raw_receiver, args=("127.0.0.1", port, cfg["sync_backend"], specs, args.rounds + 1))
+    proc.start()
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    group = init_weight_group("127.0.0.1", port, 0, cfg["sync_backend"])
+    send = [t.detach().to(device if cfg["sync_backend"] == "nccl" else "cpu").contiguous() for t in sd.values()]
+    for t in send:  # warm-up
+        group.broadcast(t, root=0).wait()
+    t0 = time.time()
+    for _ in range(args.rounds):
+        for t in send:
+            group.broadcast(t, root=0).wait()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    raw_s = (time.time() - t0) / args.rounds
+    proc.join()
+    print(f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
+          f"push {push_s:.3f}s vs raw broadcast {raw_s:.3f}s -> {push_s / raw_s:.2f}x (target <= 1.3x)")
+    return push_s / raw_s
+
+
+def bench_generate(args):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from data import load_problems
+    from generator import Generator, make_engine
+    from train import parse_config, prepare
+    cfg = parse_config(["--regime", "stale", "--out", "out/bench", "--synth-steps", "8", "--max-new-tokens", "96",
+                        "--prompts-per-step", str(args.prompts), "--group-size", "8", "--max-lag", "0",
+                        "--gen-device", args.gen_device, "--train-device", args.train_device])
+    prepare(cfg)
+    problems = load_problems("synth", "test", n=args.prompts, steps=8)
+    tok = AutoTokenizer.from_pretrained(cfg["model_path"])
+    outbox = []
+    gen = Generator(cfg, make_engine(cfg), problems, tok, outbox)
+    gen.admit()  # prompts x group_size answers, all at once
+    t0 = time.time()
+    while gen.inflight:
+        gen.step()
+    ours_s = time.time() - t0
+    ours_tokens = gen.stats["gen_tokens"]
+    del gen
+    llm = LLM(model=cfg["model_path"], seed=0, dtype="float32" if cfg["gen_device"] == "cpu" else "bfloat16",
+              max_model_len=cfg["max_model_len"], enable_prefix_caching=False, enable_chunked_prefill=False,
+              max_num_seqs=cfg["max_num_seqs"], enforce_eager=cfg["gen_device"] == "cpu",
+              logprobs_mode="processed_logprobs", gpu_memory_utilization=cfg["gpu_memory_utilization"])
+    params = SamplingParams(temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0, detokenize=False)
+    prompts = [dict(prompt_token_ids=ids) for ids in gen_prompts(tok, problems) for _ in range(8)]
+    t0 = time.time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm_s = time.time() - t0
+    llm_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ours, theirs = ours_tokens / ours_s, llm_tokens / llm_s
+    print(f"generation ({len(prompts)} answers): step loop {ours:.0f} tok/s vs LLM.generate {theirs:.0f} tok/s "
+          f"-> {ours / theirs:.2f}x (target >= 0.9x)")
+    return ours / theirs
+
+
+def gen_prompts(tok, problems):
+    from eval import eval_prompts
+    return eval_prompts(tok, problems, "synth")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sync-model", default="medium", help="model whose weights are pushed ('medium': a random ~60M Qwen3)")
+    p.add_argument("--rounds", type=int, default=5, help="pushes to average over")
+    p.add_argument("--prompts", type=int, default=16, help="prompts for the generation benchmark (x8 answers each)")
+    p.add_argument("--gen-device", default="auto")
+    p.add_argument("--train-device", default="auto")
+    p.add_argument("--only", choices=["sync", "generate"], default=None, help="run one benchmark")
+    args = p.parse_args()
+    if args.only != "generate":
+        bench_sync(args)
+    if args.only != "sync":
+        bench_generate(args)

@@ -1,0 +1,116 @@
+"""
+Every regime end to end through train.py, as a user runs it: a few steps on CPU with
+the tiny model, then the run directory is checked against DESIGN.md's contract and
+the regime's invariants against metrics.jsonl. Also: resume, Ctrl-C, a killed generator.
+
+    .venv/bin/python -m pytest -q test_smoke.py
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+METRIC_KEYS = {"step", "wall_s", "version", "reward_mean", "loss", "trained_tokens", "stale_token_frac",
+               "lag_mean", "spanning_frac", "gen_tok_per_s", "sync_s", "trainer_wait_s", "gen_idle_s",
+               "discarded_tokens", "recomputed_tokens"}
+ACTIVITIES = {"generating", "draining", "loading", "idle", "evaluating", "training", "syncing", "waiting",
+              "saving", "done"}
+SMALL = ["--eval-every", "3", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4",
+         "--synth-steps", "6", "--max-new-tokens", "64"]
+
+
+def train(*args, timeout=600):
+    r = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def read(run, name):
+    with open(os.path.join(run, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("regime", ["sync", "drain", "discard", "stale", "recompute"])
+def test_regime_end_to_end(regime, tmp_path):
+    run = str(tmp_path / regime)
+    train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *(["--no-plot"] if regime != "recompute" else []))
+    cfg = json.load(open(os.path.join(run, "config.json")))
+    assert cfg["regime"] == regime and cfg["steps"] == 3
+    metrics = [m for m in read(run, "metrics.jsonl") if m["step"] > 0]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert METRIC_KEYS <= set(m), METRIC_KEYS - set(m)
+        assert m["trained_tokens"] > 0 and 0 <= m["reward_mean"] <= 1
+    assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
+    assert [m["version"] for m in metrics] == [0, 1, 2]
+    events = read(run, "events.jsonl")
+    assert {e["proc"] for e in events} == {"trainer", "generator"}
+    assert {e["what"] for e in events} <= ACTIVITIES
+    assert any(e["what"] == "loading" for e in events)
+    ckpt = os.path.join(run, "ckpt")
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
+        assert os.path.exists(os.path.join(ckpt, f)), f
+    # the regime's invariants, as the metrics show them
+    if regime == "sync":
+        assert all(m["lag_mean"] == 0 for m in metrics)
+    if regime in ("sync", "drain", "discard"):
+        assert all(m["spanning_frac"] == 0 for m in metrics)
+    if regime != "stale":
+        assert all(m["stale_token_frac"] == 0 for m in metrics)
+    if regime != "discard":
+        assert all(m["discarded_tokens"] == 0 for m in metrics)
+    if regime != "recompute":
+        assert all(m["recomputed_tokens"] == 0 for m in metrics)
+    else:
+        assert os.path.exists(os.path.join(run, "run.png"))
+
+
+def test_resume_continues(tmp_path):
+    run = str(tmp_path / "resume")
+    train("--regime", "stale", "--out", run, "--steps", "2", *SMALL, "--no-plot")
+    train("--resume", run, "--steps", "4", "--no-plot")
+    metrics = [m for m in read(run, "metrics.jsonl") if m["step"] > 0]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["version"] for m in metrics] == [0, 1, 2, 3]
+
+
+def start_train(run):
+    """train.py in its own process group, as a terminal would run it."""
+    return subprocess.Popen([sys.executable, "train.py", "--out", run, "--steps", "1000", *SMALL, "--no-plot"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_step(proc, timeout=300):
+    t0 = time.time()
+    for line in proc.stdout:
+        if line.startswith("step 1 "):
+            return psutil.Process(proc.pid).children(recursive=True)
+        assert time.time() - t0 < timeout
+    raise AssertionError("train.py ended before its first step: " + proc.stderr.read()[-3000:])
+
+
+def test_ctrl_c_stops_both(tmp_path):
+    proc = start_train(str(tmp_path / "ctrlc"))
+    children = wait_for_step(proc)
+    assert children, "no generator process"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    assert proc.wait(timeout=30) != 0
+    time.sleep(1)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killed_generator_stops_trainer(tmp_path):
+    proc = start_train(str(tmp_path / "kill"))
+    children = wait_for_step(proc)
+    t0 = time.time()
+    for c in children:
+        c.kill()
+    code = proc.wait(timeout=30)
+    assert code != 0 and time.time() - t0 < 30
+    assert "generator process" in proc.stderr.read()

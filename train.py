@@ -71,6 +71,11 @@ def parse_config(argv=None):
     p.add_argument("--max-lag", type=int, default=1,
                    help="AReaL's eta: admit a prompt only if it will be consumed at most this many versions "
                         "after the weights that start it (sync forces 0)")
+    p.add_argument("--pool", default="fifo", choices=["fifo", "pace"],
+                   help="which finished groups a step consumes (pace.py): fifo, or PACE's staleness-aware rejection")
+    p.add_argument("--pace-lambda", type=float, default=1.0, help="PACE: weight of generation staleness")
+    p.add_argument("--pace-target", type=int, default=None,
+                   help="PACE: pool occupancy above which groups are rejected (default: 1.5 steps' worth)")
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: never)")
     p.add_argument("--eval-n", type=int, default=None, help="test problems per evaluation")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (the last step always)")
@@ -151,13 +156,6 @@ def prepare(cfg):
 
 # -----------------------------------------------------------------------------
 # small helpers
-
-
-def take_groups(pool, n):
-    """The pool policy: which finished groups this step consumes. FIFO (by the
-    time a group completed). pool: {group_id: [samples]}, complete groups only."""
-    ids = sorted(pool, key=lambda g: max(s["finished"] for s in pool[g]))[:n]
-    return [pool.pop(g) for g in ids]
 
 
 def token_logprobs(model, batch, temperature, device):
@@ -248,6 +246,7 @@ def main(argv=None):
     from data import load_problems
     from eval import eval_prompts, pass_at_1
     from generator import GeneratorHandle
+    from pace import default_target, pool_stats, take_groups_fifo, take_groups_pace
     from reward import score
 
     env = prepare(cfg)
@@ -324,7 +323,12 @@ def main(argv=None):
             while (msg := gen.get(timeout=0)) is not None:  # whatever else already arrived
                 intake(msg)
             trainer_wait_s = time.time() - t0
-            batch_groups = take_groups(pool, cfg["prompts_per_step"])
+            if cfg["pool"] == "pace":
+                target = cfg["pace_target"] or default_target(cfg["prompts_per_step"])
+                batch_groups, rejected = take_groups_pace(pool, cfg["prompts_per_step"], version,
+                                                          cfg["pace_lambda"], target)
+            else:
+                batch_groups, rejected = take_groups_fifo(pool, cfg["prompts_per_step"]), []
             batch = [s for g in batch_groups for s in g]
 
             # 2. rewards and group-normalised advantages
@@ -370,7 +374,7 @@ def main(argv=None):
                      gen_idle_s=stats["gen_idle_s"] - prev["gen_idle_s"],
                      discarded_tokens=stats["discarded_tokens"] - prev["discarded_tokens"],
                      recomputed_tokens=stats["recomputed_tokens"] - prev["recomputed_tokens"],
-                     answer_len=len(versions) / len(batch), pool_groups=len(pool),
+                     answer_len=len(versions) / len(batch), **pool_stats(batch_groups, rejected, pool, version),
                      # how far the behaviour policy is from the trainer's before this step: ~0 when on-policy
                      behaviour_gap=((logp.detach() - behaviour).abs() * mask).sum().item() / mask.sum().item())
             last_stats, last_t, version = stats, now, new_version

@@ -5,9 +5,10 @@ same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
     .venv/bin/python bench_sync.py                 # CPU: tiny model for tokens/s, a ~60M random Qwen3 for sync
     python bench_sync.py --sync-model Qwen/Qwen3-0.6B --gen-device cuda:0 --train-device cuda:1   # GPUs
 
-1. weight sync: train.py's push (broadcast of every tensor, in-place reload in
-   vLLM, checksum acknowledgement) vs a raw torch.distributed broadcast of the same
-   tensors between the same two kinds of process, no vLLM involved.
+1. weight sync: the time train.py's push blocks the trainer (broadcast of every
+   tensor into the vLLM worker, checksum acknowledgement; vLLM's in-place reload
+   then runs in the generator while the trainer goes on) vs a raw torch.distributed
+   broadcast of the same tensors between two plain processes, no vLLM involved.
 2. generation: generator.py's step loop (one engine.step() at a time, per-token
    bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
 """
@@ -47,7 +48,7 @@ def bench_sync(args):
             AutoModelForCausalLM.from_config(config).save_pretrained(path)
             tok.save_pretrained(path)
     cfg = parse_config(["--regime", "stale", "--model", path, "--out", "out/bench", "--gen-device", args.gen_device,
-                        "--train-device", args.train_device, "--max-lag", "-1"])  # admits nothing: idle engine
+                        "--train-device", args.train_device, "--max-lag", "-1000000"])  # admits nothing: idle engine
     env = prepare(cfg)
     device = cfg["train_device"]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -56,10 +57,12 @@ def bench_sync(args):
     n_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     gen = GeneratorHandle(cfg, env)
     gen.push(sd)  # warm-up
-    t0 = time.time()
+    push_s = 0.0
     for _ in range(args.rounds):
+        time.sleep(2)  # as in training, a step passes between pushes: the reload of the last one is done
+        t0 = time.time()
         gen.push(sd)
-    push_s = (time.time() - t0) / args.rounds
+        push_s += (time.time() - t0) / args.rounds
     gen.stop()
 
     ctx = mp.get_context("spawn")
@@ -103,13 +106,14 @@ def bench_generate(args):
     prepare(cfg)
     problems = load_problems("synth", "test", n=args.prompts, steps=8)
     tok = AutoTokenizer.from_pretrained(cfg["model_path"])
-    outbox = []
-    gen = Generator(cfg, make_engine(cfg), problems, tok, outbox)
-    gen.admit()  # prompts x group_size answers, all at once
-    t0 = time.time()
-    while gen.inflight:
-        gen.step()
-    ours_s = time.time() - t0
+    gen = Generator(cfg, make_engine(cfg), problems, tok, [])
+    for rounds in range(2):  # the first round warms the engine up; the second is timed
+        gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
+        gen.admit()  # prompts x group_size answers, all at once
+        t0 = time.time()
+        while gen.inflight:
+            gen.step()
+        ours_s = time.time() - t0
     ours_tokens = gen.stats["gen_tokens"]
     del gen
     llm = LLM(model=cfg["model_path"], seed=0, dtype="float32" if cfg["gen_device"] == "cpu" else "bfloat16",
@@ -118,9 +122,10 @@ def bench_generate(args):
               logprobs_mode="processed_logprobs", gpu_memory_utilization=cfg["gpu_memory_utilization"])
     params = SamplingParams(temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0, detokenize=False)
     prompts = [dict(prompt_token_ids=ids) for ids in gen_prompts(tok, problems) for _ in range(8)]
-    t0 = time.time()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm_s = time.time() - t0
+    for rounds in range(2):  # likewise
+        t0 = time.time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm_s = time.time() - t0
     llm_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ours, theirs = ours_tokens / ours_s, llm_tokens / llm_s
     print(f"generation ({len(prompts)} answers): step loop {ours:.0f} tok/s vs LLM.generate {theirs:.0f} tok/s "

@@ -36,19 +36,20 @@ def init_weight_group(host, port, rank, backend):
 
 
 def send_weights(group, state_dict, device):
-    """Broadcast every tensor from rank 0; returns the receiver's checksum, which
-    the caller compares with its own to prove every byte arrived."""
+    """Broadcast every tensor from rank 0; returns the receiver's checksum of what
+    it received, which the caller compares with its own to prove every byte arrived."""
     for t in state_dict.values():
         group.broadcast(t.detach().to(device).contiguous(), root=0).wait()
     import torch
     ack = torch.zeros((), dtype=torch.float64, device=device)
-    group.broadcast(ack, root=1).wait()  # the worker answers once it has loaded everything
+    group.broadcast(ack, root=1).wait()  # the worker answers once it has received everything
     return ack.item()
 
 
 def checksum(state_dict):
     """Sum of all entries in float64: cheap, and a missing or garbled tensor moves it."""
-    return sum(t.double().sum().item() for t in state_dict.values())
+    import torch
+    return sum(t.sum(dtype=torch.float64).item() for t in state_dict.values())
 
 
 class WeightReceiver:
@@ -60,25 +61,26 @@ class WeightReceiver:
 
     def receive_weights(self, specs):
         import torch
-        total = [0.0]
-
         # nccl moves GPU tensors; gloo moves CPU tensors (also for one shared GPU,
         # where NCCL refuses two ranks on the same device)
         device = self.device if self.weight_group.name() == "NCCL" else "cpu"
-
-        def stream():  # receive one tensor at a time; reload_weights consumes lazily
-            for name, dtype, shape in specs:
-                t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                self.weight_group.broadcast(t, root=0).wait()
-                total[0] += t.double().sum().item()
-                yield name, t
+        # receive everything first, acknowledge, then load: the trainer is released
+        # after the bytes arrive (raw broadcast speed) instead of waiting, tensor by
+        # tensor, for vLLM's reload (which repacks weights: most of its cost on CPU).
+        # No engine step runs before this call returns, so nothing samples from a
+        # half-loaded model. Costs one extra copy of the weights while it runs.
+        received = []
+        for name, dtype, shape in specs:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            self.weight_group.broadcast(t, root=0).wait()
+            received.append((name, t))
+        total = sum(t.sum(dtype=torch.float64).item() for _, t in received)
+        self.weight_group.broadcast(torch.tensor(total, dtype=torch.float64, device=device), root=1).wait()
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
-        self.reload_weights(weights_iterator=stream())
-        ack = torch.tensor(total[0], dtype=torch.float64, device=device)
-        self.weight_group.broadcast(ack, root=1).wait()
-        return total[0]
+        self.reload_weights(weights_iterator=iter(received))
+        return total
 
 # -----------------------------------------------------------------------------
 # one answer in flight, and what the trainer gets when it finishes

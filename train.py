@@ -56,7 +56,7 @@ def parse_config(argv=None):
     p.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="task")
     p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline)")
     p.add_argument("--eval-data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
-    p.add_argument("--synth-steps", type=int, default=3, help="operations per synth problem: sets answer length")
+    p.add_argument("--synth-steps", type=int, default=2, help="operations per synth problem: sets answer length")
     p.add_argument("--model", default=None, help="'tiny', a Hub id or a directory (default: per dataset)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: per dataset)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="GRPO groups per optimizer step")

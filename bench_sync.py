@@ -2,7 +2,7 @@
 Benchmarks of the generator's two costs, each against a baseline measured in the
 same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
 
-    .venv/bin/python bench_sync.py                 # CPU: tiny model for tokens/s, a ~60M random Qwen3 for sync
+    .venv/bin/python bench_sync.py                 # CPU: tiny model for tokens/s, a ~50M random Qwen3 for sync
     python bench_sync.py --sync-model Qwen/Qwen3-0.6B --gen-device cuda:0 --train-device cuda:1   # GPUs
 
 1. weight sync: the time train.py's push blocks the trainer (broadcast of every
@@ -19,8 +19,12 @@ import time
 
 
 def raw_receiver(host, port, backend, specs, rounds):
-    """The baseline's receiving end: join a two-member group and receive, nothing else."""
+    """The baseline's receiving end: join a two-member group and receive, nothing else.
+    On CPU it keeps to the cores the generator gets, as vLLM's worker does."""
     import torch
+    cores = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if cores.replace(",", "").isdigit():
+        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
     from generator import init_weight_group
     group = init_weight_group(host, port, rank=1, backend=backend)
     device = "cuda" if backend == "nccl" else "cpu"
@@ -140,7 +144,8 @@ def gen_prompts(tok, problems):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sync-model", default="medium", help="model whose weights are pushed ('medium': a random ~60M Qwen3)")
+    p.add_argument("--sync-model", default="medium",
+                   help="model whose weights are pushed ('medium': a random ~50M Qwen3)")
     p.add_argument("--rounds", type=int, default=5, help="pushes to average over")
     p.add_argument("--prompts", type=int, default=16, help="prompts for the generation benchmark (x8 answers each)")
     p.add_argument("--gen-device", default="auto")

@@ -21,7 +21,9 @@ from train import parse_config, prepare
 def start(regime, *extra, tmp="out/test"):
     """A generator process as train.py starts it; returns (handle, cfg)."""
     cfg = parse_config(["--regime", regime, "--out", tmp, *extra])
-    env = prepare(cfg)
+    cores = os.sched_getaffinity(0)
+    env = prepare(cfg)  # pins this process to the trainer's half of the cores...
+    os.sched_setaffinity(0, cores)  # ...which later tests and their subprocesses would inherit
     return GeneratorHandle(cfg, env), cfg
 
 

@@ -113,7 +113,7 @@ def tiny_model_dir(root="out"):
     if os.path.exists(os.path.join(path, "recipe.json")):
         return path
     import torch
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # more threads than cores crawls
     t0 = time.time()
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer), RECIPE)

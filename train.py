@@ -39,7 +39,7 @@ import time
 # config
 
 DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
-    "synth": dict(model="tiny", steps=60, prompts_per_step=8, group_size=8, max_new_tokens=96, lr=2e-4,
+    "synth": dict(model="tiny", steps=60, prompts_per_step=8, group_size=8, max_new_tokens=96, lr=1e-5,
                   eval_every=20, eval_n=128, max_model_len=512),
     "gsm8k": dict(model="Qwen/Qwen3-0.6B", steps=500, prompts_per_step=32, group_size=8, max_new_tokens=1024,
                   lr=1e-6, eval_every=50, eval_n=500, max_model_len=2048),
@@ -143,12 +143,12 @@ def resolve_devices(cfg):
 def prepare(cfg):
     """Devices, the model's path (building the tiny model if asked) and the
     generator's runtime settings; returns the generator's environment."""
-    env = resolve_devices(cfg)
-    if cfg["model"] == "tiny":
+    if cfg["model"] == "tiny":  # before resolve_devices pins this process to half the cores
         from tiny import tiny_model_dir
         cfg["model_path"] = tiny_model_dir()
     else:
         cfg["model_path"] = cfg["model"]
+    env = resolve_devices(cfg)
     batch = cfg["prompts_per_step"] * cfg["group_size"]
     cfg.update(start_version=0, start_group=0, sync_host="127.0.0.1", queue_size=4 * batch,
                start_timeout=900, max_num_seqs=max(64, 2 * batch))

@@ -36,20 +36,14 @@ def init_weight_group(host, port, rank, backend):
 
 
 def send_weights(group, state_dict, device):
-    """Broadcast every tensor from rank 0; returns the receiver's checksum of what
-    it received, which the caller compares with its own to prove every byte arrived."""
+    """Broadcast every tensor from rank 0, then wait for the worker's answer: the
+    version it is loading, sent once every tensor has arrived."""
+    import torch
     for t in state_dict.values():
         group.broadcast(t.detach().to(device).contiguous(), root=0).wait()
-    import torch
-    ack = torch.zeros((), dtype=torch.float64, device=device)
-    group.broadcast(ack, root=1).wait()  # the worker answers once it has received everything
+    ack = torch.zeros((), dtype=torch.int64, device=device)
+    group.broadcast(ack, root=1).wait()
     return ack.item()
-
-
-def checksum(state_dict):
-    """Sum of all entries in float64: cheap, and a missing or garbled tensor moves it."""
-    import torch
-    return sum(t.sum(dtype=torch.float64).item() for t in state_dict.values())
 
 
 class WeightReceiver:
@@ -59,28 +53,26 @@ class WeightReceiver:
     def init_weight_group(self, host, port, backend):
         self.weight_group = init_weight_group(host, port, rank=1, backend=backend)
 
-    def receive_weights(self, specs):
+    def receive_weights(self, version, specs):
         import torch
         # nccl moves GPU tensors; gloo moves CPU tensors (also for one shared GPU,
         # where NCCL refuses two ranks on the same device)
         device = self.device if self.weight_group.name() == "NCCL" else "cpu"
         # receive everything first, acknowledge, then load: the trainer is released
-        # after the bytes arrive (raw broadcast speed) instead of waiting, tensor by
-        # tensor, for vLLM's reload (which repacks weights: most of its cost on CPU).
-        # No engine step runs before this call returns, so nothing samples from a
-        # half-loaded model. Costs one extra copy of the weights while it runs.
+        # once the bytes arrive instead of waiting, tensor by tensor, for vLLM's
+        # reload (which repacks weights: most of its cost on CPU). No engine step
+        # runs before this call returns, so nothing samples from a half-loaded
+        # model. Costs one extra copy of the weights while it runs.
         received = []
         for name, dtype, shape in specs:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             self.weight_group.broadcast(t, root=0).wait()
             received.append((name, t))
-        total = sum(t.sum(dtype=torch.float64).item() for _, t in received)
-        self.weight_group.broadcast(torch.tensor(total, dtype=torch.float64, device=device), root=1).wait()
+        self.weight_group.broadcast(torch.tensor(version, dtype=torch.int64, device=device), root=1).wait()
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
         self.reload_weights(weights_iterator=iter(received))
-        return total
 
 # -----------------------------------------------------------------------------
 # one answer in flight, and what the trainer gets when it finishes
@@ -215,7 +207,7 @@ class Generator:
         """Receive the broadcast and load it in place, between two engine steps."""
         self.set_activity("loading")
         t0 = time.time()
-        self.engine.collective_rpc("receive_weights", args=(specs,))
+        self.engine.collective_rpc("receive_weights", args=(version, specs))
         self.version = version
         self.stats["loads"] += 1
         self.stats["load_s"] = self.stats.get("load_s", 0.0) + time.time() - t0
@@ -438,18 +430,18 @@ class GeneratorHandle:
         raise GeneratorDied(f"generator process died{how} (exit code {self.proc.exitcode})")
 
     def push(self, state_dict):
-        """Broadcast new weights; returns once the generator has loaded them. Blocks
-        while the regime makes the generator wait (drain: until in-flight answers
-        finish) -- that wait is part of the sync time the trainer reports."""
+        """Broadcast new weights; returns once the generator has received them (it
+        loads them before its next engine step). Blocks while the regime makes the
+        generator wait (drain: until in-flight answers finish) -- that wait is part
+        of the sync time the trainer reports."""
         self.version += 1
         self.control_q.put(("weights", self.version, weight_specs(state_dict)))
         try:
-            got = send_weights(self.group, state_dict, self.transfer_device)
+            held = send_weights(self.group, state_dict, self.transfer_device)
         except RuntimeError as e:  # a dead peer breaks the broadcast: say why it died
             self.died(f" during the weight broadcast ({str(e).splitlines()[0][:200]})")
-        want = checksum(state_dict)
-        if abs(got - want) > 1e-6 * max(1.0, abs(want)):
-            raise RuntimeError(f"weight sync v{self.version}: generator checksum {got} != trainer {want}")
+        if held != self.version:
+            raise RuntimeError(f"weight sync: the generator acknowledged v{held}, not v{self.version}")
         return self.version
 
     def stop(self):

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-COLOURS = {"generating": "tab:green", "draining": "tab:orange", "loading": "tab:red", "idle": "lightgrey",
+COLOURS = {"starting": "white", "generating": "tab:green", "draining": "tab:orange", "loading": "tab:red", "idle": "lightgrey",
            "evaluating": "tab:purple", "training": "tab:blue", "syncing": "tab:red", "waiting": "lightgrey",
            "saving": "tab:brown"}
 
@@ -29,10 +29,10 @@ def plot_run(run):
     t0 = min([e["t"] for e in events] or [0])
     fig, (ax, tl) = plt.subplots(2, 1, figsize=(10, 6), gridspec_kw=dict(height_ratios=[3, 1]))
     steps = [m for m in metrics if "reward_mean" in m]
-    offset = min([e["t"] for e in events if e["proc"] == "trainer"] or [t0]) - t0  # wall_s counts from trainer start
-    ax.plot([m["wall_s"] + offset for m in steps], [m["reward_mean"] for m in steps], label="reward (train batch)")
+    # wall_s counts from the trainer's "starting" event, the first of the timeline
+    ax.plot([m["wall_s"] for m in steps], [m["reward_mean"] for m in steps], label="reward (train batch)")
     evals = [m for m in metrics if "eval_acc" in m]
-    ax.plot([m["wall_s"] + offset for m in evals], [m["eval_acc"] for m in evals], "o-", label="eval pass@1")
+    ax.plot([m["wall_s"] for m in evals], [m["eval_acc"] for m in evals], "o-", label="eval pass@1")
     ax.set_ylabel("reward / accuracy")
     ax.set_title(os.path.basename(os.path.normpath(run)))
     ax.legend()

@@ -19,8 +19,8 @@ import pytest
 METRIC_KEYS = {"step", "wall_s", "version", "reward_mean", "loss", "trained_tokens", "stale_token_frac",
                "lag_mean", "spanning_frac", "gen_tok_per_s", "sync_s", "trainer_wait_s", "gen_idle_s",
                "discarded_tokens", "recomputed_tokens"}
-ACTIVITIES = {"generating", "draining", "loading", "idle", "evaluating", "training", "syncing", "waiting",
-              "saving", "done"}
+ACTIVITIES = {"starting", "generating", "draining", "loading", "idle", "evaluating", "training", "syncing",
+              "waiting", "saving", "done"}
 SMALL = ["--eval-every", "3", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4",
          "--synth-steps", "6", "--max-new-tokens", "64"]
 

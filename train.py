@@ -39,8 +39,8 @@ import time
 # config
 
 DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
-    "synth": dict(model="tiny", steps=60, prompts_per_step=8, group_size=8, max_new_tokens=96, lr=1e-5,
-                  eval_every=20, eval_n=128, max_model_len=512),
+    "synth": dict(model="tiny", steps=200, prompts_per_step=8, group_size=8, max_new_tokens=96, lr=1e-5,
+                  eval_every=50, eval_n=256, max_model_len=512),
     "gsm8k": dict(model="Qwen/Qwen3-0.6B", steps=500, prompts_per_step=32, group_size=8, max_new_tokens=1024,
                   lr=1e-6, eval_every=50, eval_n=500, max_model_len=2048),
     "math": dict(model="Qwen/Qwen3-0.6B", steps=500, prompts_per_step=32, group_size=8, max_new_tokens=2048,
@@ -281,7 +281,8 @@ def main(argv=None):
         random.setstate(state["rng"]["python"])
 
     log = RunLog(cfg["out"])
-    t_start = time.time()
+    t_start = time.time()  # wall_s counts from here, and so does the timeline
+    log.trainer("starting")
     print(f"starting the generator ({cfg['gen_device']}, regime {cfg['regime']}) ...", flush=True)
     gen = GeneratorHandle(cfg, env)
     pool, partial = {}, {}  # complete groups; groups still missing answers

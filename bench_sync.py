@@ -38,7 +38,7 @@ def bench_sync(args):
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
-    from generator import GeneratorHandle, init_weight_group, weight_specs
+    from generator import GeneratorHandle, init_weight_group, spawn_with_env, weight_specs
     from train import parse_config, prepare
     path = args.sync_model
     if path == "medium":  # a random Qwen3 big enough that bytes, not per-call overhead, dominate
@@ -74,12 +74,8 @@ def bench_sync(args):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     specs = weight_specs(sd)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # same device placement as the generator
-    proc = ctx.Process(target=raw_receiver, args=("127.0.0.1", port, cfg["sync_backend"], specs, args.rounds + 1))
-    proc.start()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    proc = spawn_with_env(ctx, env, raw_receiver,  # same device placement as the generator
+                          ("127.0.0.1", port, cfg["sync_backend"], specs, args.rounds + 1))
     group = init_weight_group("127.0.0.1", port, 0, cfg["sync_backend"])
     send = [t.detach().to(device if cfg["sync_backend"] == "nccl" else "cpu").contiguous() for t in sd.values()]
     for t in send:  # warm-up
@@ -102,6 +98,7 @@ def bench_generate(args):
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from data import load_problems
+    from eval import eval_prompts
     from generator import Generator, make_engine
     from train import parse_config, prepare
     cfg = parse_config(["--regime", "stale", "--out", "out/bench", "--synth-steps", "8", "--max-new-tokens", "96",
@@ -118,7 +115,7 @@ def bench_generate(args):
               max_num_seqs=cfg["max_num_seqs"], enforce_eager=cfg["gen_device"] == "cpu",
               logprobs_mode="processed_logprobs", gpu_memory_utilization=cfg["gpu_memory_utilization"])
     params = SamplingParams(temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0, detokenize=False)
-    prompts = [dict(prompt_token_ids=ids) for ids in gen_prompts(tok, problems) for _ in range(8)]
+    prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(tok, problems, "synth") for _ in range(8)]
     ours, theirs = [], []
     for _ in range(args.rounds):  # alternate, so both see the same machine; the first round warms up
         gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
@@ -137,10 +134,6 @@ def bench_generate(args):
           f"-> {ours / theirs:.2f}x (target >= 0.9x)")
     return ours / theirs
 
-
-def gen_prompts(tok, problems):
-    from eval import eval_prompts
-    return eval_prompts(tok, problems, "synth")
 
 
 if __name__ == "__main__":

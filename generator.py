@@ -356,6 +356,20 @@ class GeneratorDied(RuntimeError):
     pass
 
 
+def spawn_with_env(ctx, env, target, args, **kw):
+    """Start a process that sees `env` in its environment: the child reads its device
+    from there before it imports torch, while this process's environment is left as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        proc = ctx.Process(target=target, args=args, **kw)
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return proc
+
+
 class GeneratorHandle:
     """Trainer side: spawns the generator, pushes weights, receives samples and
     events, and turns any death of the generator into an exception that carries
@@ -370,16 +384,8 @@ class GeneratorHandle:
         ctx = mp.get_context("spawn")  # vLLM and CUDA do not survive fork
         self.samples_q = ctx.Queue(maxsize=cfg["queue_size"])  # bounded: back-pressure
         self.control_q = ctx.Queue()
-        # the child reads its device from the environment before importing torch
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            self.proc = ctx.Process(target=generator_main, args=(cfg, self.samples_q, self.control_q),
-                                    daemon=True, name="inflight-generator")
-            self.proc.start()
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        self.proc = spawn_with_env(ctx, env, generator_main, (cfg, self.samples_q, self.control_q),
+                                   daemon=True, name="inflight-generator")
         self.cfg, self.version = cfg, cfg["start_version"]
         self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
         kind, _ = self.get(timeout=cfg["start_timeout"])

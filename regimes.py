@@ -60,8 +60,7 @@ class Drain:
         if gen.inflight:
             if self.drain_start is None:
                 self.drain_start = time.time()
-                gen.admitting = False
-                gen.set_activity("draining")
+                gen.admitting = False  # the loop shows this as "draining" on the timeline
             return False
         if self.drain_start is not None:
             waited = time.time() - self.drain_start

@@ -56,10 +56,11 @@ def perturbed(model, seed, scale=0.5):
 
 
 @torch.no_grad()
-def hf_logprobs(model, prompt_ids, token_ids):
-    """log p(token_j | prompt, tokens_<j) for every answer token, teacher-forced."""
+def hf_logprobs(model, prompt_ids, token_ids, temperature=1.0):
+    """log p(token_j | prompt, tokens_<j) for every answer token, teacher-forced,
+    from the logits over `temperature` (what vLLM samples from)."""
     ids = torch.tensor([list(prompt_ids) + list(token_ids)])
-    logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
     P = len(prompt_ids)
     return logp[P - 1:-1].gather(-1, torch.tensor(token_ids)[:, None].long())[:, 0]
 
@@ -82,18 +83,19 @@ def test_sync_is_exact():
                  for s in collect(gen, 4)]
         assert max(diffs) > 1e-2, f"a push without lm_head.weight went unnoticed (max diff {max(diffs):.2e})"
 
-        # 2. the right push: the whole state_dict
-        good = perturbed(model, seed=2)
-        model.load_state_dict(good)
-        assert gen.push(model.state_dict()) == 2
-        for s in collect(gen, 4):
-            prompt = s["prompt_ids"].tolist()
-            greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
-                                    pad_token_id=0, eos_token_id=0)[0, len(prompt):].tolist()
-            assert s["token_ids"].tolist() == greedy, "vLLM's greedy answer differs from HF's"
-            ref = hf_logprobs(model, prompt, s["token_ids"].tolist())
-            assert (ref - s["logprobs"]).abs().max() < 1e-3
-            assert s["versions"].tolist() == [2] * len(greedy)
+        # 2. the right push: the whole state_dict; twice, since the second one reuses
+        # the worker's receive buffers
+        for version in (2, 3):
+            model.load_state_dict(perturbed(model, seed=version))
+            assert gen.push(model.state_dict()) == version
+            for s in collect(gen, 4):
+                prompt = s["prompt_ids"].tolist()
+                greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
+                                        pad_token_id=0, eos_token_id=0)[0, len(prompt):].tolist()
+                assert s["token_ids"].tolist() == greedy, "vLLM's greedy answer differs from HF's"
+                ref = hf_logprobs(model, prompt, s["token_ids"].tolist())
+                assert (ref - s["logprobs"]).abs().max() < 1e-3
+                assert s["versions"].tolist() == [version] * len(greedy)
     finally:
         gen.stop()
 

@@ -14,7 +14,9 @@ import torch
 
 from test_generator import collect, hf_logprobs, hf_model, perturbed, start
 
-LONG = ("--synth-steps", "8", "--max-new-tokens", "96", "--group-size", "4", "--prompts-per-step", "4")
+T = 0.7  # not 1: every reference must divide the logits by the sampling temperature, as vLLM does
+LONG = ("--synth-steps", "8", "--max-new-tokens", "96", "--group-size", "4", "--prompts-per-step", "4",
+        "--temperature", str(T))
 
 
 def run_with_switch(regime, n=32):
@@ -38,14 +40,14 @@ def split(s):
 
 
 @torch.no_grad()
-def hf_stale_logprobs(old, new, prompt, tokens, k):
+def hf_stale_logprobs(old, new, prompt, tokens, k, temperature):
     """What the stale regime computes: KV of prompt + tokens[:k-1] written by `old`
     (token k-1 was sampled by old but not yet fed through the model), then `new`
     feeds tokens[k-1:] attending to that cache. Returns logprobs of tokens[k:]."""
     ctx = torch.tensor([prompt + tokens[:k - 1]])
     cache = old(ctx, use_cache=True).past_key_values
     logits = new(torch.tensor([tokens[k - 1:]]), past_key_values=cache, use_cache=True).logits[0, :-1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens[k:])[:, None])[:, 0]
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(tokens[k:])[:, None])[:, 0]
 
 
 def spanning(samples):
@@ -57,7 +59,7 @@ def spanning(samples):
 def check_prefix(s, old):
     """Tokens sampled before the switch are the old model's, unflagged."""
     k = split(s)
-    ref = hf_logprobs(old, s["prompt_ids"].tolist(), s["token_ids"][:k].tolist())
+    ref = hf_logprobs(old, s["prompt_ids"].tolist(), s["token_ids"][:k].tolist(), T)
     assert (ref - s["logprobs"][:k]).abs().max() < 1e-3
     assert not s["stale"][:k].any()
 
@@ -69,8 +71,8 @@ def test_stale_reads_old_kv():
         prompt, tokens, k = s["prompt_ids"].tolist(), s["token_ids"].tolist(), split(s)
         check_prefix(s, old)
         assert s["versions"][k:].eq(1).all() and s["stale"][k:].all()
-        stale_ref = hf_stale_logprobs(old, new, prompt, tokens, k)
-        fresh_ref = hf_logprobs(new, prompt, tokens)[k:]
+        stale_ref = hf_stale_logprobs(old, new, prompt, tokens, k, T)
+        fresh_ref = hf_logprobs(new, prompt, tokens, T)[k:]
         worst_stale = max(worst_stale, (stale_ref - s["logprobs"][k:]).abs().max().item())
         best_fresh = min(best_fresh, (fresh_ref - s["logprobs"][k:]).abs().max().item())
     assert worst_stale < 1e-3, f"stale logprobs differ from HF's old-KV continuation by {worst_stale:.2e}"
@@ -89,8 +91,8 @@ def test_recompute_rebuilds_kv():
         check_prefix(s, old)  # the partial answer keeps its original logprobs and versions
         assert s["versions"][k:].eq(1).all() and not s["stale"].any()
         assert s["recomputed"] == len(prompt) + k
-        fresh_ref = hf_logprobs(new, prompt, tokens)[k:]
-        stale_ref = hf_stale_logprobs(old, new, prompt, tokens, k)
+        fresh_ref = hf_logprobs(new, prompt, tokens, T)[k:]
+        stale_ref = hf_stale_logprobs(old, new, prompt, tokens, k, T)
         worst_fresh = max(worst_fresh, (fresh_ref - s["logprobs"][k:]).abs().max().item())
         best_stale = min(best_stale, (stale_ref - s["logprobs"][k:]).abs().max().item())
     assert worst_fresh < 1e-3, f"recompute logprobs differ from HF's full recompute by {worst_fresh:.2e}"
@@ -104,7 +106,7 @@ def no_answer_spans_versions(samples, old, new):
         assert v.min() == v.max(), "an answer spans two versions"
         assert not s["stale"].any()
         model = old if v[0] == 0 else new
-        ref = hf_logprobs(model, s["prompt_ids"].tolist(), s["token_ids"].tolist())
+        ref = hf_logprobs(model, s["prompt_ids"].tolist(), s["token_ids"].tolist(), T)
         assert (ref - s["logprobs"]).abs().max() < 1e-3
 
 

@@ -25,11 +25,13 @@ The loss, and what it simplifies:
                 With one optimizer step per batch (as here) r = 1 at the only
                 step, so the clip never binds and this equals uncapped IS.
 - Token-level mean over the batch (every token counts the same), no KL term, no
-  entropy bonus, one optimizer step per batch, AdamW, constant learning rate.
+  entropy bonus, one optimizer step per batch, AdamW with a linear warmup
+  (--warmup-steps), then a constant or cosine-decayed learning rate (--lr-schedule).
 """
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -39,12 +41,12 @@ import time
 # config
 
 DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
-    "synth": dict(model="tiny", steps=200, prompts_per_step=8, group_size=8, max_new_tokens=96, lr=1e-5,
-                  eval_every=50, eval_n=256, max_model_len=512),
+    "synth": dict(model="tiny", steps=150, prompts_per_step=16, group_size=8, max_new_tokens=96, lr=3e-5,
+                  temperature=0.5, lr_schedule="cosine", eval_every=25, eval_n=256, max_model_len=512),
     "gsm8k": dict(model="Qwen/Qwen3-0.6B", steps=500, prompts_per_step=32, group_size=8, max_new_tokens=1024,
-                  lr=1e-6, eval_every=50, eval_n=500, max_model_len=2048),
+                  lr=1e-6, temperature=1.0, lr_schedule="constant", eval_every=50, eval_n=500, max_model_len=2048),
     "math": dict(model="Qwen/Qwen3-0.6B", steps=500, prompts_per_step=32, group_size=8, max_new_tokens=2048,
-                 lr=1e-6, eval_every=50, eval_n=500, max_model_len=4096),
+                 lr=1e-6, temperature=1.0, lr_schedule="constant", eval_every=50, eval_n=500, max_model_len=4096),
 }
 
 
@@ -63,8 +65,12 @@ def parse_config(argv=None):
     p.add_argument("--group-size", type=int, default=None, help="answers sampled per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length cap")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + answer cap for vLLM")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the loss uses it too)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (the loss uses it too)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+    p.add_argument("--warmup-steps", type=int, default=10,
+                   help="linear lr warmup: Adam's first steps move every weight by ~lr whatever its gradient's noise")
+    p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine"],
+                   help="after warmup: constant, or cosine decay to 0 at --steps (default: per dataset)")
     p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="off-policy correction (see docstring)")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss ppo")
@@ -178,6 +184,14 @@ def token_logprobs(model, batch, temperature, device):
         P, n = len(s["prompt_ids"]), len(s["token_ids"])
         out[i, :n], mask[i, :n] = logp[i, P - 1:P - 1 + n], 1
     return out, mask
+
+
+def lr_at(cfg, step):
+    """Linear warmup, then constant or cosine decay to 0 at the last step."""
+    lr = cfg["lr"] * min(1.0, step / max(1, cfg["warmup_steps"]))
+    if cfg["lr_schedule"] == "cosine":
+        lr *= 0.5 * (1 + math.cos(math.pi * (step - 1) / cfg["steps"]))
+    return lr
 
 
 def grpo_loss(cfg, logp, mask, behaviour, adv):
@@ -348,6 +362,8 @@ def main(argv=None):
             for i, s in enumerate(batch):
                 behaviour[i, :len(s["logprobs"])] = s["logprobs"].to(device)
             loss = grpo_loss(cfg, logp, mask, behaviour, adv)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(cfg, step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -404,7 +420,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import signal
     from generator import GeneratorDied
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, schedulers: stop as Ctrl-C does
     try:
         main()
     except GeneratorDied as e:

@@ -62,12 +62,14 @@ class WeightReceiver:
         # once the bytes arrive instead of waiting, tensor by tensor, for vLLM's
         # reload (which repacks weights: most of its cost on CPU). No engine step
         # runs before this call returns, so nothing samples from a half-loaded
-        # model. Costs one extra copy of the weights while it runs.
-        received = []
-        for name, dtype, shape in specs:
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        # model. Costs one extra copy of the weights, kept from push to push: fresh
+        # buffers each time cost a page fault per 4 KiB page they receive.
+        if getattr(self, "weight_buffers", (None,))[0] != specs:
+            self.weight_buffers = (specs, [(name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+                                           for name, dtype, shape in specs])
+        received = self.weight_buffers[1]
+        for _, t in received:
             self.weight_group.broadcast(t, root=0).wait()
-            received.append((name, t))
         self.weight_group.broadcast(torch.tensor(version, dtype=torch.int64, device=device), root=1).wait()
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
@@ -281,7 +283,7 @@ def generator_main(cfg, samples_q, control_q):
     spawner's environment (CUDA_VISIBLE_DEVICES / VLLM_CPU_OMP_THREADS_BIND),
     which the process read before importing torch or vLLM."""
     try:
-        run_generator(cfg, samples_q, control_q)
+        run_generator(cfg, samples_q, control_q, trainer=os.getppid())
     except KeyboardInterrupt:  # Ctrl-C reaches both processes; the trainer reports it
         pass
     except BaseException:
@@ -293,7 +295,7 @@ def generator_main(cfg, samples_q, control_q):
         raise SystemExit(1)
 
 
-def run_generator(cfg, samples_q, control_q):
+def run_generator(cfg, samples_q, control_q, trainer):
     import random
     import torch
     from transformers import AutoTokenizer
@@ -313,6 +315,9 @@ def run_generator(cfg, samples_q, control_q):
     gen = Generator(cfg, engine, problems, tokenizer, outbox)
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     while True:
+        if os.getppid() != trainer:  # the trainer died without a word (kill -9): nobody is listening
+            samples_q.cancel_join_thread()  # so exiting does not wait to flush a pipe no one reads
+            return
         try:  # control messages, in order: new weights, evaluate, stop
             while True:
                 msg = control_q.get_nowait()

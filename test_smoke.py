@@ -105,6 +105,18 @@ def test_ctrl_c_stops_both(tmp_path):
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_trainer_leaves_no_generator(tmp_path, sig):
+    """`kill` (a scheduler's SIGTERM) stops both like Ctrl-C; after kill -9 the
+    orphaned generator notices its trainer is gone and exits."""
+    proc = start_train(str(tmp_path / "killtrainer"))
+    children = wait_for_step(proc)
+    os.kill(proc.pid, sig)
+    assert proc.wait(timeout=30) != 0
+    psutil.wait_procs(children, timeout=30)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_killed_generator_stops_trainer(tmp_path):
     proc = start_train(str(tmp_path / "kill"))
     children = wait_for_step(proc)

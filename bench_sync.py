@@ -8,7 +8,8 @@ same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
 1. weight sync: the time train.py's push blocks the trainer (broadcast of every
    tensor into the vLLM worker and its acknowledgement of the version; vLLM's
    in-place reload then runs in the generator while the trainer goes on) vs a raw
-   torch.distributed broadcast of the same tensors between two plain processes.
+   torch.distributed broadcast of the same tensors between two plain processes,
+   each side with its buffers allocated once; medians of --rounds, spaced 2 s apart.
 2. generation: generator.py's step loop (one engine.step() at a time, per-token
    bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
 """
@@ -28,9 +29,10 @@ def raw_receiver(host, port, backend, specs, rounds):
     from generator import init_weight_group
     group = init_weight_group(host, port, rank=1, backend=backend)
     device = "cuda" if backend == "nccl" else "cpu"
-    for _ in range(rounds):
-        for name, dtype, shape in specs:
-            group.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=device), root=0).wait()
+    buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, dtype, shape in specs]
+    for _ in range(rounds):  # into the same buffers each round, as the generator's worker does
+        for t in buffers:
+            group.broadcast(t, root=0).wait()
 
 
 def bench_sync(args):
@@ -61,12 +63,12 @@ def bench_sync(args):
     n_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     gen = GeneratorHandle(cfg, env)
     gen.push(sd)  # warm-up
-    push_s = 0.0
+    push = []
     for _ in range(args.rounds):
         time.sleep(2)  # as in training, a step passes between pushes: the reload of the last one is done
         t0 = time.time()
         gen.push(sd)
-        push_s += (time.time() - t0) / args.rounds
+        push.append(time.time() - t0)
     gen.stop()
 
     ctx = mp.get_context("spawn")
@@ -80,16 +82,22 @@ def bench_sync(args):
     send = [t.detach().to(device if cfg["sync_backend"] == "nccl" else "cpu").contiguous() for t in sd.values()]
     for t in send:  # warm-up
         group.broadcast(t, root=0).wait()
-    t0 = time.time()
-    for _ in range(args.rounds):
+    raw = []
+    for _ in range(args.rounds):  # spaced like the pushes, so both meet the same idle machine
+        time.sleep(2)
+        t0 = time.time()
         for t in send:
             group.broadcast(t, root=0).wait()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    raw_s = (time.time() - t0) / args.rounds
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        raw.append(time.time() - t0)
     proc.join()
+    median = lambda xs: sorted(xs)[len(xs) // 2]
+    push_s, raw_s = median(push), median(raw)
+    print(f"  push rounds {' '.join(f'{x:.3f}' for x in push)}; raw rounds {' '.join(f'{x:.3f}' for x in raw)}")
     print(f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
-          f"push {push_s:.3f}s vs raw broadcast {raw_s:.3f}s -> {push_s / raw_s:.2f}x (target <= 1.3x)")
+          f"push {push_s:.3f}s vs raw broadcast {raw_s:.3f}s (medians of {args.rounds}) -> "
+          f"{push_s / raw_s:.2f}x (target <= 1.3x)")
     return push_s / raw_s
 
 
@@ -140,7 +148,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sync-model", default="medium",
                    help="model whose weights are pushed ('medium': a random ~50M Qwen3)")
-    p.add_argument("--rounds", type=int, default=5, help="pushes to average over")
+    p.add_argument("--rounds", type=int, default=7, help="pushes (and raw broadcasts) to take the median of")
     p.add_argument("--prompts", type=int, default=16, help="prompts for the generation benchmark (x8 answers each)")
     p.add_argument("--gen-device", default="auto")
     p.add_argument("--train-device", default="auto")

@@ -17,6 +17,7 @@ same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
 import argparse
 import os
 import time
+from statistics import median_high
 
 
 def raw_receiver(host, port, backend, specs, rounds):
@@ -92,8 +93,7 @@ def bench_sync(args):
             torch.cuda.synchronize()
         raw.append(time.time() - t0)
     proc.join()
-    median = lambda xs: sorted(xs)[len(xs) // 2]
-    push_s, raw_s = median(push), median(raw)
+    push_s, raw_s = median_high(push), median_high(raw)
     print(f"  push rounds {' '.join(f'{x:.3f}' for x in push)}; raw rounds {' '.join(f'{x:.3f}' for x in raw)}")
     print(f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
           f"push {push_s:.3f}s vs raw broadcast {raw_s:.3f}s (medians of {args.rounds}) -> "
@@ -136,7 +136,7 @@ def bench_generate(args):
         t0 = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         theirs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.time() - t0))
-    ours, theirs = sorted(ours[1:])[len(ours[1:]) // 2], sorted(theirs[1:])[len(theirs[1:]) // 2]  # medians
+    ours, theirs = median_high(ours[1:]), median_high(theirs[1:])
     print(f"generation ({len(prompts)} answers, median of {args.rounds - 1} rounds each): step loop {ours:.0f} tok/s "
           f"vs LLM.generate {theirs:.0f} tok/s "
           f"-> {ours / theirs:.2f}x (target >= 0.9x)")

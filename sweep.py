@@ -60,13 +60,14 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     regimes = list(dict.fromkeys(r["regime"] for r in rows))
+    first_seed = min(r["seed"] for r in rows)  # one legend entry per pool
     fig, axes = plt.subplots(1, len(regimes), figsize=(3.2 * len(regimes), 3), sharey=True, squeeze=False)
     for ax, regime in zip(axes[0], regimes):
         for r in rows:
             if r["regime"] == regime:
                 t, acc = zip(*r["curve"])
                 ax.plot(t, acc, color={"fifo": "tab:blue", "pace": "tab:orange"}[r["pool"]], alpha=0.7,
-                        label=r["pool"] if r["seed"] == min(x["seed"] for x in rows) else None)
+                        label=r["pool"] if r["seed"] == first_seed else None)
         ax.set_title(regime)
         ax.set_xlabel("wall-clock s")
     axes[0][0].set_ylabel("eval pass@1 (greedy)")

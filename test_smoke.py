@@ -95,6 +95,10 @@ def wait_for_step(proc, timeout=300):
     raise AssertionError("train.py ended before its first step: " + proc.stderr.read()[-3000:])
 
 
+def still_running(procs):
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_ctrl_c_stops_both(tmp_path):
     proc = start_train(str(tmp_path / "ctrlc"))
     children = wait_for_step(proc)
@@ -102,7 +106,7 @@ def test_ctrl_c_stops_both(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     assert proc.wait(timeout=30) != 0
     time.sleep(1)
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not still_running(children)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -114,7 +118,7 @@ def test_killed_trainer_leaves_no_generator(tmp_path, sig):
     os.kill(proc.pid, sig)
     assert proc.wait(timeout=30) != 0
     psutil.wait_procs(children, timeout=30)
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not still_running(children)
 
 
 def test_killed_generator_stops_trainer(tmp_path):

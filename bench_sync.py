@@ -9,7 +9,8 @@ same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
    tensor into the vLLM worker and its acknowledgement of the version; vLLM's
    in-place reload then runs in the generator while the trainer goes on) vs a raw
    torch.distributed broadcast of the same tensors between two plain processes,
-   each side with its buffers allocated once; medians of --rounds, spaced 2 s apart.
+   each side with its buffers allocated once; medians of --rounds, the two kinds
+   alternating 1 s apart so that both meet the same machine.
 2. generation: generator.py's step loop (one engine.step() at a time, per-token
    bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
 """
@@ -24,8 +25,7 @@ def raw_receiver(host, port, backend, specs, rounds):
     """The baseline's receiving end: join a two-member group and receive, nothing else.
     On CPU it keeps to the cores the generator gets, as vLLM's worker does."""
     import torch
-    cores = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if cores.replace(",", "").isdigit():
+    if cores := os.environ.get("INFLIGHT_GEN_CORES"):
         os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
     from generator import init_weight_group
     group = init_weight_group(host, port, rank=1, backend=backend)
@@ -62,36 +62,35 @@ def bench_sync(args):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     sd = model.state_dict()
     n_bytes = sum(t.numel() * t.element_size() for t in sd.values())
-    gen = GeneratorHandle(cfg, env)
-    gen.push(sd)  # warm-up
-    push = []
-    for _ in range(args.rounds):
-        time.sleep(2)  # as in training, a step passes between pushes: the reload of the last one is done
-        t0 = time.time()
-        gen.push(sd)
-        push.append(time.time() - t0)
-    gen.stop()
-
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    specs = weight_specs(sd)
     proc = spawn_with_env(ctx, env, raw_receiver,  # same device placement as the generator
-                          ("127.0.0.1", port, cfg["sync_backend"], specs, args.rounds + 1))
+                          ("127.0.0.1", port, cfg["sync_backend"], weight_specs(sd), args.rounds + 1))
     group = init_weight_group("127.0.0.1", port, 0, cfg["sync_backend"])
     send = [t.detach().to(device if cfg["sync_backend"] == "nccl" else "cpu").contiguous() for t in sd.values()]
-    for t in send:  # warm-up
-        group.broadcast(t, root=0).wait()
-    raw = []
-    for _ in range(args.rounds):  # spaced like the pushes, so both meet the same idle machine
-        time.sleep(2)
-        t0 = time.time()
+
+    def raw_broadcast():
         for t in send:
             group.broadcast(t, root=0).wait()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
+
+    gen = GeneratorHandle(cfg, env)
+    gen.push(sd)  # warm-up, both
+    raw_broadcast()
+    push, raw = [], []
+    for _ in range(args.rounds):  # alternate, so both meet the same machine; both receivers idle between
+        time.sleep(1)  # as in training, a step passes between pushes: the reload of the last one is done
+        t0 = time.time()
+        gen.push(sd)
+        push.append(time.time() - t0)
+        time.sleep(1)
+        t0 = time.time()
+        raw_broadcast()
         raw.append(time.time() - t0)
+    gen.stop()
     proc.join()
     push_s, raw_s = median_high(push), median_high(raw)
     print(f"  push rounds {' '.join(f'{x:.3f}' for x in push)}; raw rounds {' '.join(f'{x:.3f}' for x in raw)}")

@@ -219,7 +219,11 @@ class Generator:
     def may_admit(self):
         """AReaL's staleness bound: at most (version + max_lag + 1) batches ever
         admitted, so nothing admitted now is consumed more than max_lag versions
-        after the weights that started it."""
+        after the weights that started it. Groups the trainer's pool rejects
+        (--pool pace) still count: their places are not admitted again, so each
+        rejection shrinks the backlog for good. (Giving them back was tried: the
+        generator refilled the pool to the bound every step and PACE then rejected
+        56 of every 72 groups, most of them fresh; README, PACE.)"""
         versions = self.version - self.start_version + self.cfg["max_lag"] + 1
         budget = self.start_group + versions * self.cfg["prompts_per_step"]
         return self.admitting and self.next_group < budget and len(self.outbox) < self.cfg["queue_size"]
@@ -280,8 +284,14 @@ class Generator:
 
 def generator_main(cfg, samples_q, control_q):
     """Entry point of the spawned generator process. Its device was chosen by the
-    spawner's environment (CUDA_VISIBLE_DEVICES / VLLM_CPU_OMP_THREADS_BIND),
-    which the process read before importing torch or vLLM."""
+    spawner's environment (CUDA_VISIBLE_DEVICES / INFLIGHT_GEN_CORES), which the
+    process read before importing torch or vLLM."""
+    if cores := os.environ.get("INFLIGHT_GEN_CORES"):
+        # CPU: keep to the generator's cores. vLLM's VLLM_CPU_OMP_THREADS_BIND binds
+        # only the workers its multiprocess executor spawns, not an in-process engine,
+        # and a spawned child inherits the trainer's cores: both ran on one core.
+        for tid in os.listdir("/proc/self/task"):  # every thread started so far
+            os.sched_setaffinity(int(tid), [int(c) for c in cores.split(",")])
     try:
         run_generator(cfg, samples_q, control_q, trainer=os.getppid())
     except KeyboardInterrupt:  # Ctrl-C reaches both processes; the trainer reports it
@@ -314,35 +324,39 @@ def run_generator(cfg, samples_q, control_q, trainer):
     outbox = []
     gen = Generator(cfg, engine, problems, tokenizer, outbox)
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
+    idle = False
     while True:
         if os.getppid() != trainer:  # the trainer died without a word (kill -9): nobody is listening
             samples_q.cancel_join_thread()  # so exiting does not wait to flush a pipe no one reads
             return
-        try:  # control messages, in order: new weights, evaluate, stop
+        try:  # control messages, in order: new weights, evaluate, stop. With nothing else to
+            # do, wait on the queue itself, so a push is picked up as soon as it is sent
+            t0 = time.time()
+            msg = control_q.get(timeout=0.005) if idle else control_q.get_nowait()
             while True:
-                msg = control_q.get_nowait()
                 if msg[0] == "stop":
                     return
                 if msg[0] == "weights":
                     pending = msg[1:]
                 else:
                     evals.append(msg[1:])
+                msg = control_q.get_nowait()
         except queue.Empty:
             pass
+        if idle:
+            gen.stats["gen_idle_s"] += time.time() - t0
         if pending is not None and regime.switch(gen, *pending):
             pending = None
         if pending is None and evals:
             prompts, max_tokens = evals.pop(0)
             outbox.append(("eval", dict(version=gen.version, token_ids=gen.evaluate(prompts, max_tokens))))
         gen.admit()
-        if gen.inflight:
+        idle = not gen.inflight
+        if idle:  # nothing to do: wait for weights (sync, max-lag) or for the trainer to drain the queue
+            gen.set_activity("idle")
+        else:
             gen.set_activity("draining" if not gen.admitting else "generating")
             gen.step()
-        else:  # nothing to do: wait for weights (sync, max-lag) or for the trainer to drain the queue
-            gen.set_activity("idle")
-            t0 = time.time()
-            time.sleep(0.005)
-            gen.stats["gen_idle_s"] += time.time() - t0
         while outbox:  # never block on a full queue: the control queue must stay served
             kind, item = outbox[0]
             if kind == "sample":

@@ -108,10 +108,15 @@ def test_generator_error_reaches_trainer():
 
 def test_killed_generator_is_noticed_fast():
     """kill -9 of the generator: the trainer's next get() raises within 30 s, and a
-    push to a dead generator raises instead of hanging in the broadcast."""
+    push to a dead generator raises instead of hanging in the broadcast. (Also: the
+    running generator keeps to its cores.)"""
     gen, cfg = start("stale", "--group-size", "2", "--prompts-per-step", "2")
     try:
         collect(gen, 1)
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) > 1:  # on CPU every generator thread keeps to its half of the cores (train.prepare)
+            threads = os.listdir(f"/proc/{gen.proc.pid}/task")
+            assert {frozenset(os.sched_getaffinity(int(t))) for t in threads} == {frozenset(cores[:len(cores) // 2])}
         os.kill(gen.proc.pid, signal.SIGKILL)
         t0 = time.time()
         with pytest.raises(GeneratorDied, match="died"):

@@ -132,7 +132,7 @@ def resolve_devices(cfg):
     if gen == "cpu":
         cores = sorted(os.sched_getaffinity(0))
         gen_cores = cores[:max(1, len(cores) // 2)]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, gen_cores))
+        env["INFLIGHT_GEN_CORES"] = ",".join(map(str, gen_cores))  # generator_main keeps to these
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for small models, leaves RAM for the trainer
         cfg["gen_threads"] = len(gen_cores)
         if train == "cpu" and len(cores) > 1:  # the trainer keeps to the other half

@@ -88,7 +88,8 @@ def main():
     p.add_argument("--out", default="out/sweep", help="parent directory of the runs")
     p.add_argument("--table-only", action="store_true", help="run nothing, print the table of finished runs")
     args = p.parse_args(argv)
-    runs = [(r, pool, s) for pool in args.pools for r in args.regimes for s in args.seeds]
+    # seed by seed, so a sweep cut short still has every regime and pool at the first seeds
+    runs = [(r, pool, s) for s in args.seeds for pool in args.pools for r in args.regimes]
     for i, (regime, pool, seed) in enumerate(runs):
         run = os.path.join(args.out, f"{regime}-{pool}-s{seed}")
         if args.table_only or summary(run):

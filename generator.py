@@ -108,14 +108,19 @@ class Rollout:
             self.stale.append(self.kv_version < version)
 
     def to_sample(self, finish_reason):
-        import torch
+        """The sample as it crosses the queue: numpy arrays, which pickle through the
+        pipe; the trainer's GeneratorHandle.get makes them tensors without a copy. A
+        torch tensor would cross as a shared-memory segment whose file descriptor the
+        receiver fetches over a socket: ~2 ms per sample of five small tensors,
+        against 0.2 ms pickled (measured), and the trainer waited on it every step."""
+        import numpy as np
         return dict(
             sample_id=self.sample_id, prompt_id=self.prompt_id, group_id=self.group_id,
-            prompt_ids=torch.tensor(self.prompt_ids, dtype=torch.int32),
-            token_ids=torch.tensor(self.tokens, dtype=torch.int32),
-            logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
-            versions=torch.tensor(self.versions, dtype=torch.int32),
-            stale=torch.tensor(self.stale, dtype=torch.bool),
+            prompt_ids=np.array(self.prompt_ids, dtype=np.int32),
+            token_ids=np.array(self.tokens, dtype=np.int32),
+            logprobs=np.array(self.logprobs, dtype=np.float32),
+            versions=np.array(self.versions, dtype=np.int32),
+            stale=np.array(self.stale, dtype=bool),
             recomputed=self.recomputed, finish_reason=finish_reason,
             submitted=self.submitted, finished=time.time(),
         )
@@ -424,6 +429,8 @@ class GeneratorHandle:
 
     def get(self, timeout):
         """Next (kind, item) from the generator, or None after `timeout` seconds."""
+        import numpy as np
+        import torch
         deadline = time.time() + timeout
         while True:
             try:
@@ -434,10 +441,12 @@ class GeneratorHandle:
                 if time.time() >= deadline:
                     return None
                 continue
-            except (EOFError, OSError) as e:  # a sample whose shared memory died with its sender
+            except (EOFError, OSError) as e:  # a message cut off by its sender's death
                 self.died(f" ({type(e).__name__} reading its queue)")
             if kind == "error":
                 raise GeneratorDied("generator process failed:\n" + item)
+            if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
+                item = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
             return kind, item
 
     def died(self, how):

@@ -54,6 +54,29 @@ def table(rows):
     return "\n".join(lines)
 
 
+def acc_at(curve, t):
+    """Eval accuracy of a run by wall-clock t: its last evaluation at or before t."""
+    return max((p for p in curve if p[0] <= t), default=curve[0])[1]
+
+
+def means(rows):
+    """One line per regime and pool, means over seeds; `acc at T` is each run's eval
+    accuracy at T, the wall-clock by which every run of that regime had finished."""
+    lines = ["| regime | pool | seeds | gain (points) | wall s | lag | stale tokens | rejected tokens | T s | acc at T |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for regime in dict.fromkeys(r["regime"] for r in rows):
+        same = [r for r in rows if r["regime"] == regime]
+        t_end = min(r["wall_s"] for r in same)
+        for pool in dict.fromkeys(r["pool"] for r in same):
+            rs = [r for r in same if r["pool"] == pool]
+            mean = lambda f: sum(map(f, rs)) / len(rs)
+            lines.append(f"| {regime} | {pool} | {len(rs)} | {100 * mean(lambda r: r['acc1'] - r['acc0']):+.1f} | "
+                         f"{mean(lambda r: r['wall_s']):.0f} | {mean(lambda r: r['lag']):.2f} | "
+                         f"{100 * mean(lambda r: r['stale']):.1f}% | {100 * mean(lambda r: r['rejected']):.1f}% | "
+                         f"{t_end:.0f} | {mean(lambda r: acc_at(r['curve'], t_end)):.3f} |")
+    return "\n".join(lines)
+
+
 def plot(rows, path):
     """Eval accuracy vs wall-clock, one panel per regime, one colour per pool."""
     import matplotlib
@@ -104,6 +127,8 @@ def main():
                 print(f"  failed: see {run}.log", flush=True)
     rows = [s for r, pool, seed in runs if (s := summary(os.path.join(args.out, f"{r}-{pool}-s{seed}")))]
     print(table(rows))
+    print()
+    print(means(rows))
     if rows:
         plot(rows, os.path.join(args.out, f"acc_vs_wall-{'-'.join(args.pools)}.png"))
 

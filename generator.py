@@ -300,14 +300,26 @@ def generator_main(cfg, samples_q, control_q):
     try:
         run_generator(cfg, samples_q, control_q, trainer=os.getppid())
     except KeyboardInterrupt:  # Ctrl-C reaches both processes; the trainer reports it
-        pass
+        samples_q.cancel_join_thread()  # exit now: the trainer may have stopped reading
     except BaseException:
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)  # in the log even if the trainer is gone
         samples_q.put(("error", tb))
-        samples_q.close()
-        samples_q.join_thread()  # flush the error to the pipe before exiting
+        flush(samples_q, timeout=10)
         raise SystemExit(1)
+
+
+def flush(q, timeout):
+    """Give q's feeder thread `timeout` seconds to write what was put (the error
+    goes last), then give up. A trainer blocked in a weight broadcast reads nothing
+    until this process exits and the broadcast fails: waiting for it would deadlock."""
+    import threading
+    q.close()
+    t = threading.Thread(target=q.join_thread, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        q.cancel_join_thread()
 
 
 def run_generator(cfg, samples_q, control_q, trainer):

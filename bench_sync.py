@@ -25,9 +25,8 @@ def raw_receiver(host, port, backend, specs, rounds):
     """The baseline's receiving end: join a two-member group and receive, nothing else.
     On CPU it keeps to the cores the generator gets, as vLLM's worker does."""
     import torch
-    if cores := os.environ.get("INFLIGHT_GEN_CORES"):
-        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
-    from generator import init_weight_group
+    from generator import init_weight_group, keep_to_gen_cores
+    keep_to_gen_cores()
     group = init_weight_group(host, port, rank=1, backend=backend)
     device = "cuda" if backend == "nccl" else "cpu"
     buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, dtype, shape in specs]

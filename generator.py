@@ -287,16 +287,21 @@ class Generator:
 # the process
 
 
+def keep_to_gen_cores():
+    """On CPU, pin every thread of this process to the generator's cores
+    (INFLIGHT_GEN_CORES, from train.prepare). vLLM's VLLM_CPU_OMP_THREADS_BIND binds
+    only the workers its multiprocess executor spawns, not an in-process engine, and
+    a spawned child inherits the trainer's cores: both ran on one core."""
+    if cores := os.environ.get("INFLIGHT_GEN_CORES"):
+        for tid in os.listdir("/proc/self/task"):  # every thread started so far
+            os.sched_setaffinity(int(tid), [int(c) for c in cores.split(",")])
+
+
 def generator_main(cfg, samples_q, control_q):
     """Entry point of the spawned generator process. Its device was chosen by the
     spawner's environment (CUDA_VISIBLE_DEVICES / INFLIGHT_GEN_CORES), which the
     process read before importing torch or vLLM."""
-    if cores := os.environ.get("INFLIGHT_GEN_CORES"):
-        # CPU: keep to the generator's cores. vLLM's VLLM_CPU_OMP_THREADS_BIND binds
-        # only the workers its multiprocess executor spawns, not an in-process engine,
-        # and a spawned child inherits the trainer's cores: both ran on one core.
-        for tid in os.listdir("/proc/self/task"):  # every thread started so far
-            os.sched_setaffinity(int(tid), [int(c) for c in cores.split(",")])
+    keep_to_gen_cores()
     try:
         run_generator(cfg, samples_q, control_q, trainer=os.getppid())
     except KeyboardInterrupt:  # Ctrl-C reaches both processes; the trainer reports it

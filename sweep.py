@@ -61,7 +61,7 @@ def acc_at(curve, t):
 
 def means(rows):
     """One line per regime and pool, means over seeds; `acc at T` is each run's eval
-    accuracy at T, the wall-clock by which every run of that regime had finished."""
+    accuracy at T, when the regime's shortest run ended: a wall-clock every run reached."""
     lines = ["| regime | pool | seeds | gain (points) | wall s | lag | stale tokens | rejected tokens | T s | acc at T |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for regime in dict.fromkeys(r["regime"] for r in rows):

@@ -46,18 +46,26 @@ def send_weights(group, state_dict, device):
     return ack.item()
 
 
+def buffer_device(backend, worker_device):
+    """Where the worker receives a broadcast: nccl moves GPU tensors, gloo CPU tensors
+    (also for one shared GPU, where NCCL refuses two ranks on the same device). Decided
+    on the backend string train.resolve_devices chose: torch's ProcessGroup.name()
+    answers lowercase "nccl"/"gloo", so a test against "NCCL" sent CPU buffers into
+    an NCCL broadcast (test_generator.py::test_buffer_device_follows_backend)."""
+    return worker_device if backend == "nccl" else "cpu"
+
+
 class WeightReceiver:
     """vLLM worker extension (`worker_extension_cls`): these methods run inside the
     vLLM worker, called through `engine.collective_rpc(name, args)`."""
 
     def init_weight_group(self, host, port, backend):
         self.weight_group = init_weight_group(host, port, rank=1, backend=backend)
+        self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
 
     def receive_weights(self, version, specs):
         import torch
-        # nccl moves GPU tensors; gloo moves CPU tensors (also for one shared GPU,
-        # where NCCL refuses two ranks on the same device)
-        device = self.device if self.weight_group.name() == "NCCL" else "cpu"
+        device = buffer_device(self.weight_backend, self.device)
         # receive everything first, acknowledge, then load: the trainer is released
         # once the bytes arrive instead of waiting, tensor by tensor, for vLLM's
         # reload (which repacks weights: most of its cost on CPU). No engine step
@@ -135,12 +143,18 @@ class Rollout:
 
 
 def make_engine(cfg):
-    """vLLM's LLMEngine, in this process. With VLLM_ENABLE_V1_MULTIPROCESSING=0
-    (set by the spawner) the engine core lives in this process and one step()
-    is one scheduler step + one forward pass, finished when step() returns: no
-    forward pass can be in flight while weights load. (With the default
-    multiprocess core, the core keeps stepping on its own and step() only
-    collects outputs, so a switch could not be placed between two known steps.)"""
+    """vLLM's LLMEngine, in this process, stepped by us. Three settings make one
+    step() one forward pass that has finished when step() returns, so that weights
+    loaded between two step() calls are the weights of every later token:
+    - VLLM_ENABLE_V1_MULTIPROCESSING=0 (set by the spawner): the engine core lives in
+      this process. With the default multiprocess core, the core keeps stepping on its
+      own and step() only collects outputs.
+    - async_scheduling=False: on CUDA, vLLM 0.32 turns it on by default
+      (vllm/config/vllm.py); the engine then keeps a queue of 2 batches and launches
+      the next forward pass before step() returns, so a load between two step() calls
+      would land one step late and mislabel a token's version. The CPU platform forces
+      it off (vllm/platforms/cpu.py); we set it on every platform and read it back.
+    - no chunked prefill: a prompt's KV is written in one step, by one version."""
     from vllm import EngineArgs, LLMEngine
     on_gpu = cfg["gen_device"].startswith("cuda")
     max_len = cfg["max_model_len"]
@@ -149,20 +163,52 @@ def make_engine(cfg):
         dtype="bfloat16" if on_gpu else "float32",
         max_model_len=max_len,
         max_num_seqs=cfg["max_num_seqs"],
+        async_scheduling=False,
         # prefix caching would hand KV written by old weights to *new* requests
         # (GRPO groups share prompts): off, so every request's KV is its own
         enable_prefix_caching=False,
-        # unchunked prefill: a prompt's KV is written in one step, by one version
-        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048),
+        # unchunked prefill: a prompt's KV is written in one step, by one version. The
+        # budget is tokens prefilled per step: a recompute burst re-prefills every
+        # answer in flight (hundreds on GPU, where a large prefill step is cheap)
+        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 16384 if on_gpu else 2048),
         # logprob of the sampled token under the distribution actually sampled
         # from (after temperature), which is the behaviour policy the trainer needs
         logprobs_mode="processed_logprobs",
         worker_extension_cls="generator.WeightReceiver",
         gpu_memory_utilization=cfg["gpu_memory_utilization"],
+        num_gpu_blocks_override=cfg.get("kv_blocks_override"),  # tests: a small KV cache
         enforce_eager=not on_gpu,
         disable_log_stats=True,
     )
-    return LLMEngine.from_engine_args(args)
+    engine = LLMEngine.from_engine_args(args)
+    if engine.vllm_config.scheduler_config.async_scheduling is not False:
+        raise RuntimeError("vLLM kept async scheduling on: weight versions would be off by one step")
+    return engine
+
+
+def kv_capacity(engine, max_model_len):
+    """How many answers of max_model_len tokens (prompt + answer) the engine's KV cache
+    holds at once. The Generator keeps at most this many requests in the engine, so
+    vLLM never runs out of KV blocks and never preempts: a preempted request's KV is
+    later rebuilt from scratch under whatever weights are loaded, which the per-token
+    bookkeeping would not know (it is still detected: see watch_preemptions)."""
+    cache = engine.vllm_config.cache_config
+    blocks_per_answer = -(-max_model_len // cache.block_size)
+    return cache.num_gpu_blocks // blocks_per_answer, cache.num_gpu_blocks * cache.block_size
+
+
+def watch_preemptions(engine, on_preempt):
+    """Call on_preempt(request_id) whenever vLLM's scheduler preempts a request. The
+    kv_capacity bound makes this impossible; this is the check that it stays so.
+    Reaches into the in-process engine core (vLLM 0.32.0: InprocClient.engine_core
+    .scheduler._preempt_request); pinned by test_generator.py::test_no_preemption."""
+    scheduler = engine.engine_core.engine_core.scheduler
+    preempt = scheduler._preempt_request
+
+    def counted(request, *args, **kwargs):
+        on_preempt(request.request_id)
+        return preempt(request, *args, **kwargs)
+    scheduler._preempt_request = counted
 
 
 class Generator:
@@ -185,7 +231,10 @@ class Generator:
         self.next_group = self.start_group = cfg["start_group"]  # data position
         self.admitting = True  # drain turns this off while it finishes old answers
         self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
-                          recomputed_tokens=0, loads=0)
+                          recomputed_tokens=0, loads=0, preempted=0)
+        # requests in the engine at once (training + eval): at most what its KV cache holds
+        self.kv_answers = min(cfg["max_num_seqs"], kv_capacity(engine, cfg["max_model_len"])[0])
+        watch_preemptions(engine, self.preempted)
         self.activity = None
         self.eval_out = {}  # eval request id -> token ids (None while running)
 
@@ -194,6 +243,14 @@ class Generator:
         if what != self.activity:
             self.activity = what
             self.outbox.append(("event", dict(t=time.time(), proc="generator", what=what, version=self.version)))
+
+    def preempted(self, request_id):
+        """vLLM preempted a request (see kv_capacity: it should never happen): its KV will
+        be rebuilt from scratch under the weights loaded when it is rescheduled, so the
+        next token's forward pass reads no older KV. Counted in metrics."""
+        self.stats["preempted"] += 1
+        if request_id in self.inflight:
+            self.inflight[request_id].kv_version = None  # Rollout.record sets it at the rebuild
 
     # -- what regimes call
 
@@ -231,7 +288,8 @@ class Generator:
         56 of every 72 groups, most of them fresh; README, PACE.)"""
         versions = self.version - self.start_version + self.cfg["max_lag"] + 1
         budget = self.start_group + versions * self.cfg["prompts_per_step"]
-        return self.admitting and self.next_group < budget and len(self.outbox) < self.cfg["queue_size"]
+        return (self.admitting and self.next_group < budget and len(self.outbox) < self.cfg["queue_size"]
+                and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers)
 
     def admit(self):
         while self.may_admit():
@@ -273,13 +331,17 @@ class Generator:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         ids = [f"eval{self.version}-{i}" for i in range(len(prompts))]
-        self.eval_out = dict.fromkeys(ids)
-        for rid, p in zip(ids, prompts):
-            self.engine.add_request(rid, dict(prompt_token_ids=p), params)
+        todo, self.eval_out = list(zip(ids, prompts)), {}  # eval id -> token ids, None while running
         with tqdm(total=len(ids), desc=f"eval v{self.version}", leave=False) as bar:
-            while (done := sum(v is not None for v in self.eval_out.values())) < len(ids):
+            while todo or None in self.eval_out.values():
+                # add eval requests only while the KV cache has room for them (kv_capacity)
+                room = self.kv_answers - len(self.inflight) - sum(v is None for v in self.eval_out.values())
+                for rid, p in todo[:max(0, room)]:
+                    self.eval_out[rid] = None
+                    self.engine.add_request(rid, dict(prompt_token_ids=p), params)
+                todo = todo[max(0, room):]
                 self.step()
-                bar.update(done - bar.n)
+                bar.update(sum(v is not None for v in self.eval_out.values()) - bar.n)
         results, self.eval_out = [self.eval_out[i] for i in ids], {}
         return results
 
@@ -341,10 +403,11 @@ def run_generator(cfg, samples_q, control_q, trainer):
     random.Random(cfg["seed"]).shuffle(problems)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     engine = make_engine(cfg)
-    samples_q.put(("engine_ready", None))
-    engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], cfg["sync_backend"]))
     outbox = []
     gen = Generator(cfg, engine, problems, tokenizer, outbox)
+    kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
+    samples_q.put(("engine_ready", dict(kv_answers=kv_answers, kv_tokens=kv_tokens, admit_at_once=gen.kv_answers)))
+    engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], cfg["sync_backend"]))
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     idle = False
     while True:
@@ -429,7 +492,7 @@ class GeneratorHandle:
                                    daemon=True, name="inflight-generator")
         self.cfg, self.version = cfg, cfg["start_version"]
         self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
-        kind, _ = self.get(timeout=cfg["start_timeout"])
+        kind, self.engine_info = self.get(timeout=cfg["start_timeout"])
         assert kind == "engine_ready", kind
         self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, cfg["sync_backend"])
 

@@ -65,7 +65,8 @@ def parse_config(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length cap (default: per model)")
     p.add_argument("--updates", type=int, default=1, help="optimizer steps from v to v+1 (on the same answers)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: per model)")
-    p.add_argument("--micro-batch", type=int, default=8, help="answers per forward/backward in the update")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384,
+                   help="padded tokens per forward/backward in the update (train.py's flag)")
     p.add_argument("--switch", type=int, default=None,
                    help="switch position s for every answer (default: uniform over 1..n-1 per answer)")
     p.add_argument("--layers", default=None, help="comma-separated k grid (default: 0, L/4, L/2, 3L/4, L)")
@@ -107,36 +108,28 @@ def sample_answers(model, tokenizer, problems, cfg, device):
 
 
 def update(model, samples, problems, tokenizer, cfg, device):
-    """v -> v+1: --updates AdamW steps of train.py's GRPO loss on the samples. The loss is
-    a token mean over the whole batch, so each micro-batch's mean is weighted by its share
-    of the tokens. Returns the rewards."""
+    """v -> v+1: --updates AdamW steps of train.py's GRPO loss on the samples (train.py's
+    own train_step: the token-level mean over the whole batch, in micro-batches).
+    Returns the rewards."""
     import torch
     from reward import score
-    from train import grpo_loss, token_logprobs
+    from train import answer_logprobs, micro_batches, train_step
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in samples], skip_special_tokens=True)
     rewards = torch.tensor([score(t, problems[s["prompt"]]["answer"], cfg["dataset"]) for t, s in zip(texts, samples)])
     r = rewards.view(-1, cfg["group_size"])
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1).to(device)
     if not adv.any():
         print("warning: every group's answers got the same reward: the update is zero and v+1 == v")
-    mbs = [range(i, min(i + cfg["micro_batch"], len(samples))) for i in range(0, len(samples), cfg["micro_batch"])]
     with torch.no_grad():  # behaviour policy mu = v itself, as if sampled on-policy by the generator
-        for mb in mbs:
-            logp, mask = token_logprobs(model, [samples[i] for i in mb], 1.0, device)
-            for i, row, m in zip(mb, logp, mask):
-                samples[i]["logprobs"] = row[m.bool()].cpu()
-    total = sum(len(s["token_ids"]) for s in samples)
-    loss_cfg = {"loss": "tis", "is_cap": 2.0}
+        for idx in micro_batches(samples, cfg["micro_batch_tokens"]):
+            logp = answer_logprobs(model, [samples[i] for i in idx], 1.0, device).cpu()
+            for i, row in zip(idx, logp.split([len(samples[i]["token_ids"]) for i in idx])):
+                samples[i]["logprobs"] = row
+    loss_cfg = dict(loss="tis", is_cap=2.0, temperature=1.0, micro_batch_tokens=cfg["micro_batch_tokens"])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     for _ in range(cfg["updates"]):
         opt.zero_grad(set_to_none=True)
-        for mb in mbs:
-            batch = [samples[i] for i in mb]
-            logp, mask = token_logprobs(model, batch, 1.0, device)  # (b, T)
-            behaviour = torch.zeros_like(logp)
-            for j, s in enumerate(batch):
-                behaviour[j, :len(s["logprobs"])] = s["logprobs"].to(device)
-            (grpo_loss(loss_cfg, logp, mask, behaviour, adv[list(mb)]) * mask.sum() / total).backward()
+        train_step(loss_cfg, model, samples, adv, device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as train.py
         opt.step()
     return rewards

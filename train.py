@@ -71,6 +71,9 @@ def parse_config(argv=None):
                    help="linear lr warmup: Adam's first steps move every weight by ~lr whatever its gradient's noise")
     p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine"],
                    help="after warmup: constant, or cosine decay to 0 at --steps (default: per dataset)")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384,
+                   help="gradient accumulation: padded tokens (answers x longest prompt+answer) per forward/backward; "
+                        "16384 fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)")
     p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="off-policy correction (see docstring)")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss ppo")
@@ -94,19 +97,28 @@ def parse_config(argv=None):
                    help="vLLM's share of its GPU (default 0.85 alone, 0.3 when sharing one GPU with the trainer)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG at the end")
     args = p.parse_args(argv)
-    if args.resume:  # the saved config wins; only --steps may grow
+    if args.resume:  # the saved config wins; only --steps may grow; flags added since it was saved take defaults
         with open(os.path.join(args.resume, "config.json")) as f:
-            cfg = json.load(f)
+            cfg = {**vars(p.parse_args([])), **json.load(f)}
         cfg.update(resume=args.resume, steps=args.steps or cfg["steps"])
         return cfg
     cfg = vars(args)
     for k, v in DEFAULTS[cfg["dataset"]].items():
         cfg[k] = v if cfg[k] is None else cfg[k]
-    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
+    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch_tokens"):
         if cfg[k] < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
     cfg["out"] = cfg["out"] or os.path.join("out", f"{cfg['regime']}-{cfg['dataset']}-s{cfg['seed']}-{time.strftime('%m%d-%H%M%S')}")
     return cfg
+
+
+def physical_gpu(device):
+    """The CUDA_VISIBLE_DEVICES entry that shows the child process `device` (an index in
+    this process's view) as its only GPU: with CUDA_VISIBLE_DEVICES=2,3 set by the user,
+    our cuda:0 is their GPU 2, and the child must be given "2", not "0"."""
+    index = int(device.split(":")[1]) if ":" in device else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
 
 
 def resolve_devices(cfg):
@@ -125,7 +137,7 @@ def resolve_devices(cfg):
     if cfg["gpu_memory_utilization"] is None:
         cfg["gpu_memory_utilization"] = 0.3 if gen == train else 0.85
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the generator process: see generator.make_engine
-           "CUDA_VISIBLE_DEVICES": gen.split(":")[1] if gen.startswith("cuda") else "",
+           "CUDA_VISIBLE_DEVICES": physical_gpu(gen) if gen.startswith("cuda") else "",
            # vLLM logs every in-place reload (and warns that the rotary embedding has no
            # weights to load): quiet by default, VLLM_LOGGING_LEVEL=INFO shows it all
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
@@ -160,30 +172,138 @@ def prepare(cfg):
                start_timeout=900, max_num_seqs=max(64, 2 * batch))
     return env
 
+def memory_plan(cfg, config):
+    """The trainer's memory, estimated from the model's config before the model loads
+    (bytes by item). AdamW with float32 master weights: 4 (weights) + 4 (grads) + 8
+    (two moments) bytes per parameter, plus the bf16 copy a push sends. Activations, per
+    token of the largest micro-batch, with gradient checkpointing (on for CUDA) and SDPA
+    attention: each layer keeps its float32 input; the layer being recomputed holds
+    its bf16 intermediates and their gradients. Logits: a float32 chunk
+    (LOGIT_CHUNK_BYTES) and ~4 more of its size (scaled logits, exp in logsumexp,
+    their gradients)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    H, L, I = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer = 4 * H + 2 * q + 2 * kv + 4 * I  # one layer's intermediates per token (elements)
+    on_gpu = cfg["train_device"].startswith("cuda")
+    # checkpointed (CUDA): float32 layer inputs + one layer's bf16 intermediates and gradients;
+    # CPU (no checkpointing): every layer's float32 intermediates
+    per_token = 4 * H * L + 2 * 2 * layer if on_gpu else 4 * layer * L
+    return {"weights + grads (fp32)": 8 * n_params, "AdamW moments (fp32)": 8 * n_params,
+            "bf16 copy for the push": 2 * n_params if on_gpu else 0,
+            f"activations ({cfg['micro_batch_tokens']} tokens)": per_token * cfg["micro_batch_tokens"],
+            "logit chunks": 5 * LOGIT_CHUNK_BYTES}
+
+
+def check_memory_plan(cfg):
+    """Print the trainer's memory plan; on a GPU, stop before loading anything when it cannot fit."""
+    import torch
+    from transformers import AutoConfig
+    plan = memory_plan(cfg, AutoConfig.from_pretrained(cfg["model_path"]))
+    total = sum(plan.values())
+    print("trainer memory plan: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
+          + f" -> {total / 2**30:.1f} GiB", flush=True)
+    if cfg["train_device"].startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(cfg["train_device"])
+        if total > 0.9 * free:  # 10% for the CUDA context and the allocator's fragmentation
+            sys.exit(f"train.py: the trainer needs ~{total / 2**30:.1f} GiB and {cfg['train_device']} has "
+                     f"{free / 2**30:.1f} GiB free: lower --micro-batch-tokens (now {cfg['micro_batch_tokens']})")
+
+
+def check_kv_plan(cfg, info):
+    """The generator's KV cache against what may be admitted. Requests in the engine are
+    capped at what it holds (generator.kv_capacity), so vLLM never preempts; a cache that
+    cannot hold one group stops the run."""
+    batch = cfg["prompts_per_step"] * cfg["group_size"]
+    print(f"vLLM KV cache: {info['kv_tokens']} tokens = {info['kv_answers']} answers of --max-model-len "
+          f"{cfg['max_model_len']}; at most {info['admit_at_once']} in the engine at once (a step trains {batch})",
+          flush=True)
+    if info["admit_at_once"] < cfg["group_size"]:
+        return (f"train.py: vLLM's KV cache holds {info['kv_answers']} answers of {cfg['max_model_len']} tokens, "
+                f"fewer than one group ({cfg['group_size']}): raise --gpu-memory-utilization or lower --max-model-len")
+
+
 # -----------------------------------------------------------------------------
 # small helpers
 
 
-def token_logprobs(model, batch, temperature, device):
-    """log pi(token) for every answer token, under `model`; batch: list of samples.
-    Returns a (B, T) tensor and a (B, T) mask, T = longest answer."""
+def micro_batches(batch, budget):
+    """Split `batch` (samples) into lists of indices whose padded size, rows x longest
+    prompt + answer, stays within `budget` tokens. Sorted by length first, so that
+    answers of similar length share a micro-batch and little of it is padding; a
+    sequence longer than the budget gets a micro-batch of its own."""
+    length = lambda i: len(batch[i]["prompt_ids"]) + len(batch[i]["token_ids"])
+    out, width = [], 0
+    for i in sorted(range(len(batch)), key=length):
+        if out and max(width, length(i)) * (len(out[-1]) + 1) <= budget:
+            out[-1].append(i)
+            width = max(width, length(i))
+        else:
+            out.append([i])
+            width = length(i)
+    return out
+
+
+LOGIT_CHUNK_BYTES = 256 << 20  # float32 logits computed at once: 441 positions of Qwen3's 151,936-token vocabulary
+
+
+def chunk_logprobs(head, hidden, targets, temperature):
+    """hidden: (n, H) -> log pi(targets) (n,), through a (n, V) float32 logit tensor:
+    the only full-vocabulary tensor of the step, one chunk at a time."""
+    logits = head(hidden).float() / temperature  # (n, V)
+    return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
+
+
+def answer_logprobs(model, samples, temperature, device, chunk_bytes=LOGIT_CHUNK_BYTES):
+    """log pi(token) of every answer token of `samples` under `model`, concatenated
+    sample by sample into one (N,) tensor (N = answer tokens). Logits exist only at
+    answer positions and a chunk at a time: each chunk is checkpointed, so backward
+    recomputes its logits instead of keeping all of them (at the gsm8k defaults,
+    whole-batch float32 logits would be ~190 GB)."""
     import torch
-    seqs = [torch.cat([s["prompt_ids"], s["token_ids"]]).long() for s in batch]
+    from torch.utils.checkpoint import checkpoint
+    seqs = [torch.cat([s["prompt_ids"], s["token_ids"]]).long() for s in samples]
     width = max(len(x) for x in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attn = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, x in enumerate(seqs):
         ids[i, :len(x)], attn[i, :len(x)] = x, 1
-    ids, attn = ids.to(device), attn.to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature  # (B, W-1, V)
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, W-1)
-    T = max(len(s["token_ids"]) for s in batch)
-    out = torch.zeros(len(batch), T, device=device)
-    mask = torch.zeros(len(batch), T, device=device)
-    for i, s in enumerate(batch):  # answer token j sits at position P+j, predicted from P+j-1
-        P, n = len(s["prompt_ids"]), len(s["token_ids"])
-        out[i, :n], mask[i, :n] = logp[i, P - 1:P - 1 + n], 1
-    return out, mask
+    hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state
+    # answer token j of sample i sits at position P+j and is predicted from position P+j-1
+    rows = torch.cat([torch.arange(len(s["prompt_ids"]) - 1, len(x) - 1) + i * width
+                      for i, (s, x) in enumerate(zip(samples, seqs))])
+    h = hidden.reshape(len(seqs) * width, -1)[rows.to(device)]  # (N, H)
+    targets = torch.cat([s["token_ids"] for s in samples]).long().to(device)
+    head = model.get_output_embeddings()
+    chunk = max(1, chunk_bytes // (4 * head.weight.shape[0]))
+    return torch.cat([checkpoint(chunk_logprobs, head, h[a:a + chunk], targets[a:a + chunk], temperature,
+                                 use_reentrant=False) for a in range(0, len(h), chunk)])
+
+
+def train_step(cfg, model, batch, adv, device):
+    """Forward and backward of the whole batch, micro-batch by micro-batch
+    (--micro-batch-tokens), gradients accumulating in .grad. Each micro-batch's
+    loss is divided by the answer tokens of the *whole* batch, so the gradient is
+    that of the token-level mean over the batch, whatever the split. Returns
+    (loss, mean |log pi - log mu| per token) of the whole batch."""
+    import torch
+    n_tokens = sum(len(s["token_ids"]) for s in batch)
+    loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+    for idx in micro_batches(batch, cfg["micro_batch_tokens"]):
+        mb = [batch[i] for i in idx]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+            logp = answer_logprobs(model, mb, cfg["temperature"], device)  # (N_mb,)
+        behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)
+        a = torch.cat([adv[i].expand(len(batch[i]["token_ids"])) for i in idx])
+        loss = grpo_loss(cfg, logp, behaviour, a) / n_tokens
+        loss.backward()
+        loss_sum += loss.detach()
+        gap_sum += (logp.detach() - behaviour).abs().sum()
+    return loss_sum.item(), gap_sum.item() / n_tokens  # the step's one CPU-GPU sync point
 
 
 def lr_at(cfg, step):
@@ -194,19 +314,19 @@ def lr_at(cfg, step):
     return lr
 
 
-def grpo_loss(cfg, logp, mask, behaviour, adv):
-    """logp, behaviour, mask: (B, T); adv: (B,). Token-level mean of the surrogate."""
+def grpo_loss(cfg, logp, behaviour, adv):
+    """logp, behaviour, adv: (N,) per answer token. Returns the *sum* of the per-token
+    surrogate; train_step divides by the batch's token count."""
     import torch
-    A = adv[:, None]
     if cfg["loss"] == "tis":
         w = torch.exp(logp.detach() - behaviour).clamp(max=cfg["is_cap"])
-        per_token = -w * A * logp
+        per_token = -w * adv * logp
     else:
         prox = logp.detach()
         r = torch.exp(logp - prox)
         eps = cfg["clip_eps"]
-        per_token = -torch.exp(prox - behaviour) * torch.min(r * A, r.clamp(1 - eps, 1 + eps) * A)
-    return (per_token * mask).sum() / mask.sum()
+        per_token = -torch.exp(prox - behaviour) * torch.min(r * adv, r.clamp(1 - eps, 1 + eps) * adv)
+    return per_token.sum()
 
 
 class RunLog:
@@ -249,6 +369,13 @@ def save_checkpoint(cfg, model, tokenizer, opt, step, version, data_position):
         import shutil
         shutil.rmtree(path + ".old")
 
+def load_trainer_state(run):
+    """What save_checkpoint wrote beside the model. map_location: the optimizer state
+    may come from another device layout (saved on cuda:1, resumed on cuda:0 or a CPU);
+    opt.load_state_dict then moves each state tensor to its parameter's device."""
+    import torch
+    return torch.load(os.path.join(run, "ckpt", "trainer_state.pt"), map_location="cpu", weights_only=False)
+
 # -----------------------------------------------------------------------------
 # the run
 
@@ -269,7 +396,7 @@ def main(argv=None):
     torch.manual_seed(cfg["seed"])
     start_step, version, data_position = 0, 0, 0
     if cfg.get("resume"):
-        state = torch.load(os.path.join(cfg["resume"], "ckpt", "trainer_state.pt"), weights_only=False)
+        state = load_trainer_state(cfg["resume"])
         start_step, version, data_position = state["step"], state["version"], state["data_position"]
         cfg.update(model_path=os.path.join(cfg["resume"], "ckpt"), start_version=version, start_group=data_position)
     os.makedirs(cfg["out"], exist_ok=True)
@@ -280,6 +407,7 @@ def main(argv=None):
     # the train split is the generator's (each sample carries its answer); the test split is ours
     test = load_problems(cfg["dataset"], "test", n=cfg["eval_n"], data_file=cfg["eval_data_file"],
                          steps=cfg["synth_steps"])
+    check_memory_plan(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     # float32 master weights everywhere: AdamW at lr 1e-6 on bf16 weights of size ~0.02
     # rounds most updates away (bf16's spacing there is ~1e-4). On GPU the forward
@@ -299,6 +427,9 @@ def main(argv=None):
     log.trainer("starting")
     print(f"starting the generator ({cfg['gen_device']}, regime {cfg['regime']}) ...", flush=True)
     gen = GeneratorHandle(cfg, env)
+    if problem := check_kv_plan(cfg, gen.engine_info):
+        gen.stop()
+        sys.exit(problem)
     pool, partial = {}, {}  # complete groups; groups still missing answers
     last_stats, last_t = {}, time.time()
     eval_prompt_ids = eval_prompts(tokenizer, test, cfg["dataset"])
@@ -354,18 +485,12 @@ def main(argv=None):
             r = rewards.view(len(batch_groups), cfg["group_size"])
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1).to(device)
 
-            # 3. loss and one optimizer step
+            # 3. loss and one optimizer step (micro-batches accumulate into one gradient)
             model.train()
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
-                logp, mask = token_logprobs(model, batch, cfg["temperature"], device)
-            behaviour = torch.zeros_like(logp)
-            for i, s in enumerate(batch):
-                behaviour[i, :len(s["logprobs"])] = s["logprobs"].to(device)
-            loss = grpo_loss(cfg, logp, mask, behaviour, adv)
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg, step)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, behaviour_gap = train_step(cfg, model, batch, adv, device)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
 
@@ -381,7 +506,7 @@ def main(argv=None):
             stats, prev = dict(gen_stats), last_stats or dict.fromkeys(gen_stats, 0)
             now = time.time()
             m = dict(step=step, wall_s=round(now - t_start, 2), version=version,
-                     reward_mean=rewards.mean().item(), loss=loss.item(), trained_tokens=len(versions),
+                     reward_mean=rewards.mean().item(), loss=loss, trained_tokens=len(versions),
                      stale_token_frac=stale.float().mean().item(),
                      lag_mean=(version - versions.float()).mean().item(),
                      spanning_frac=sum(int(s["versions"].min() != s["versions"].max()) for s in batch
@@ -391,9 +516,10 @@ def main(argv=None):
                      gen_idle_s=stats["gen_idle_s"] - prev["gen_idle_s"],
                      discarded_tokens=stats["discarded_tokens"] - prev["discarded_tokens"],
                      recomputed_tokens=stats["recomputed_tokens"] - prev["recomputed_tokens"],
+                     preempted=stats["preempted"] - prev["preempted"],  # kept at 0 by generator.kv_capacity
                      answer_len=len(versions) / len(batch), **pool_stats(batch_groups, rejected, pool, version),
                      # how far the behaviour policy is from the trainer's before this step: ~0 when on-policy
-                     behaviour_gap=((logp.detach() - behaviour).abs() * mask).sum().item() / mask.sum().item())
+                     behaviour_gap=behaviour_gap)
             last_stats, last_t, version = stats, now, new_version
             data_position = max(data_position, 1 + max(g[0]["group_id"] for g in batch_groups))
             if cfg["eval_every"] and step % cfg["eval_every"] == 0 or step == cfg["steps"] and cfg["eval_every"]:

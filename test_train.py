@@ -1,0 +1,158 @@
+"""
+The trainer's step, on its own (no vLLM): micro-batched, chunked gradients against an
+independent whole-batch computation; the memory it takes at Qwen3's vocabulary; and
+the device plumbing a GPU run depends on, checked where a CPU can reach it.
+
+    .venv/bin/python -m pytest -q test_train.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import train
+
+
+def small_model(vocab=97, seed=0):
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  max_position_embeddings=512, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+
+
+def batch_of(lengths, vocab=97, seed=1):
+    """Answers of very different lengths after prompts of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [dict(prompt_ids=torch.randint(vocab, (5 + i % 7,), generator=g),
+                 token_ids=torch.randint(vocab, (n,), generator=g)) for i, n in enumerate(lengths)]
+
+
+def reference_grads(cfg, model, batch, adv):
+    """The loss written out independently: whole-batch full-vocabulary logits, one
+    forward, a mask, the token-level mean over the batch (the pre-micro-batch code)."""
+    model.zero_grad(set_to_none=True)
+    seqs = [torch.cat([s["prompt_ids"], s["token_ids"]]) for s in batch]
+    W = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), W, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, x in enumerate(seqs):
+        ids[i, :len(x)], attn[i, :len(x)] = x, 1
+    logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1] / cfg["temperature"], -1)
+    logp_all = logp_all.gather(-1, ids[:, 1:, None])[..., 0]  # (B, W-1)
+    T = max(len(s["token_ids"]) for s in batch)
+    logp, mask, mu = (torch.zeros(len(batch), T) for _ in range(3))
+    for i, s in enumerate(batch):
+        P, n = len(s["prompt_ids"]), len(s["token_ids"])
+        logp[i, :n], mask[i, :n], mu[i, :n] = logp_all[i, P - 1:P - 1 + n], 1, s["logprobs"]
+    A = adv[:, None]
+    if cfg["loss"] == "tis":
+        per_token = -torch.exp(logp.detach() - mu).clamp(max=cfg["is_cap"]) * A * logp
+    else:
+        r = torch.exp(logp - logp.detach())
+        per_token = -torch.exp(logp.detach() - mu) * torch.min(r * A, r.clamp(0.8, 1.2) * A)
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss", ["tis", "ppo"])
+def test_micro_batched_gradients_equal_whole_batch(loss, monkeypatch):
+    """Whole batch in one micro-batch, and split into many with logits in chunks of 7
+    positions: the same loss and gradient as the reference, to float32 rounding
+    (relative 1e-5 of the largest gradient entry; measured ~1e-7)."""
+    model = small_model()
+    batch = batch_of([3, 150, 7, 90, 1, 40, 64, 11])
+    with torch.no_grad():  # behaviour logprobs near the model's, some ratios above the cap
+        for s in batch:
+            s["logprobs"] = torch.randn(len(s["token_ids"]), generator=torch.Generator().manual_seed(5)) - 4.6
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1])
+    cfg = dict(loss=loss, is_cap=2.0, clip_eps=0.2, temperature=0.7)
+    ref_loss, ref = reference_grads(cfg, model, batch, adv)
+    monkeypatch.setattr(train, "LOGIT_CHUNK_BYTES", 7 * 4 * 97)  # 7 positions per logit chunk
+    for budget in (100_000, 160, 40):  # one micro-batch; 4; 6 (the longest answers alone)
+        model.zero_grad(set_to_none=True)
+        got_loss, _ = train.train_step(dict(cfg, micro_batch_tokens=budget), model, batch, adv, "cpu")
+        n_mb = len(train.micro_batches(batch, budget))
+        assert n_mb == 1 if budget == 100_000 else n_mb >= 4
+        assert abs(got_loss - ref_loss) <= 1e-5 * abs(ref_loss)
+        scale = max(g.abs().max() for g in ref.values())
+        for k, p in model.named_parameters():
+            assert (p.grad - ref[k]).abs().max() <= 1e-5 * scale, f"{k}, budget {budget}"
+
+
+def test_micro_batches_group_by_length_within_budget():
+    batch = batch_of([100, 3, 90, 5, 200, 4])
+    mbs = train.micro_batches(batch, 256)
+    assert sorted(i for mb in mbs for i in mb) == list(range(6))
+    for mb in mbs:
+        width = max(len(batch[i]["prompt_ids"]) + len(batch[i]["token_ids"]) for i in mb)
+        assert len(mb) * width <= 256 or len(mb) == 1
+    assert {1, 3, 5} in [set(mb) for mb in mbs]  # the three short answers share one
+
+
+def test_step_memory_at_qwen3_vocabulary():
+    """bench_train.py's small shape in its own process: Qwen3's 151,936-token
+    vocabulary, 8 answers of ~900 tokens, whose whole-batch float32 logits would take
+    ~4 GB. The step's peak resident memory growth must stay within train.py's memory
+    plan (16 bytes a parameter + activations + 5 float32 logit chunks of 256 MiB:
+    ~1.5 GiB), which is itself under half of those logits."""
+    r = subprocess.run([sys.executable, "bench_train.py", "--shape", "small", "--steps", "1"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["whole_batch_logits_bytes"] > 3.5 * 2**30
+    assert out["plan_bytes"] < out["whole_batch_logits_bytes"] / 2
+    assert out["peak_bytes"] < out["plan_bytes"], out
+
+
+def test_generator_gpu_is_the_users_physical_gpu(monkeypatch):
+    """CUDA_VISIBLE_DEVICES=2,3 and two GPUs visible: the generator (cuda:0 in our view)
+    must be started on physical GPU 2, the trainer stays on cuda:1, weights go over nccl."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for visible, expect in (("2,3", "2"), (None, "0"), ("GPU-5f1c,GPU-77ab", "GPU-5f1c")):
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        cfg = train.parse_config(["--dataset", "gsm8k", "--out", "out/test-devices"])
+        env = train.resolve_devices(cfg)
+        assert env["CUDA_VISIBLE_DEVICES"] == expect
+        assert (cfg["gen_device"], cfg["train_device"], cfg["sync_backend"]) == ("cuda:0", "cuda:1", "nccl")
+
+
+def test_buffer_device_follows_backend():
+    """torch names backends in lowercase: the receive buffers must not depend on "NCCL"."""
+    import tempfile
+    import torch.distributed as dist
+    from generator import buffer_device
+    assert dist.ProcessGroupGloo(dist.FileStore(tempfile.mktemp(), 1), 0, 1).name() == "gloo"
+    assert buffer_device("nccl", "cuda:0") == "cuda:0"
+    assert buffer_device("gloo", "cuda:0") == "cpu"
+
+
+def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
+    """A trainer_state.pt whose tensors are tagged cuda:1 (as saved by the trainer on GPU 1)
+    loads on this CPU-only machine, and the optimizer steps with it."""
+    import torch.serialization
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    os.makedirs(tmp_path / "ckpt")
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:1")
+        torch.save(dict(opt=opt.state_dict(), step=3), tmp_path / "ckpt" / "trainer_state.pt")
+    with pytest.raises(RuntimeError, match="CUDA"):  # what --resume did before map_location
+        torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)
+    state = train.load_trainer_state(str(tmp_path))
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt2.load_state_dict(state["opt"])
+    opt2.step()
+    assert all(v.device.type == "cpu" for st in opt2.state.values() for v in st.values() if torch.is_tensor(v))

@@ -191,17 +191,18 @@ def kv_capacity(engine, max_model_len):
     holds at once. The Generator keeps at most this many requests in the engine, so
     vLLM never runs out of KV blocks and never preempts: a preempted request's KV is
     later rebuilt from scratch under whatever weights are loaded, which the per-token
-    bookkeeping would not know (it is still detected: see watch_preemptions)."""
+    bookkeeping would not know (it is still detected: see watch_preemptions).
+    Returns (answers, tokens)."""
     cache = engine.vllm_config.cache_config
-    blocks_per_answer = -(-max_model_len // cache.block_size)
-    return cache.num_gpu_blocks // blocks_per_answer, cache.num_gpu_blocks * cache.block_size
+    blocks = cache.num_gpu_blocks - 1  # vLLM's block pool keeps one as its null block (v1/core/block_pool.py)
+    return blocks // -(-max_model_len // cache.block_size), blocks * cache.block_size
 
 
 def watch_preemptions(engine, on_preempt):
     """Call on_preempt(request_id) whenever vLLM's scheduler preempts a request. The
     kv_capacity bound makes this impossible; this is the check that it stays so.
     Reaches into the in-process engine core (vLLM 0.32.0: InprocClient.engine_core
-    .scheduler._preempt_request); pinned by test_generator.py::test_no_preemption."""
+    .scheduler._preempt_request); pinned by test_generator.py::test_engine_settings_and_no_preemption."""
     scheduler = engine.engine_core.engine_core.scheduler
     preempt = scheduler._preempt_request
 

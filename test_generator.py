@@ -128,3 +128,46 @@ def test_killed_generator_is_noticed_fast():
     finally:
         gen.stop()
     assert not gen.proc.is_alive()
+
+
+def test_engine_settings_and_no_preemption():
+    """make_engine's engine reports async scheduling off. With a KV cache of 5 blocks
+    of 128 tokens (one is vLLM's null block: 2 answers of --max-model-len 256), the Generator keeps at most 2
+    requests in the engine, training and eval alike, and vLLM preempts none. The same
+    8 answers admitted at once, the cap lifted, do get preempted: the counter sees it
+    (and the cap is what prevents it)."""
+    from transformers import AutoTokenizer
+    from data import load_problems
+    from generator import Generator, kv_capacity, make_engine
+    cfg = parse_config(["--regime", "stale", "--out", "out/test", "--synth-steps", "8", "--max-new-tokens", "96",
+                        "--max-model-len", "256", "--prompts-per-step", "4", "--group-size", "2", "--max-lag", "0"])
+    cores = os.sched_getaffinity(0)
+    env = prepare(cfg)
+    os.sched_setaffinity(0, cores)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env, INFLIGHT_GEN_CORES="")  # the engine in this process, as bench_sync.py makes it
+    try:
+        engine = make_engine(dict(cfg, kv_blocks_override=5))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert engine.vllm_config.scheduler_config.async_scheduling is False
+    assert kv_capacity(engine, 256) == (2, 512)
+    tok = AutoTokenizer.from_pretrained(cfg["model_path"])
+    problems = load_problems("synth", "train", n=16, steps=8)
+    gen = Generator(cfg, engine, problems, tok, [])
+    assert gen.kv_answers == 2
+    most = 0
+    while gen.inflight or gen.may_admit():  # 4 groups of 2 answers, one group at a time
+        gen.admit()
+        most = max(most, len(gen.inflight))
+        gen.step()
+    gen.evaluate(gen.prompts[:6], 48)  # eval requests are added as room frees up
+    finished = lambda: sum(kind == "sample" for kind, _ in gen.outbox)
+    assert most == 2 and finished() == 8 and gen.stats["preempted"] == 0
+    gen.next_group, gen.kv_answers = 0, 100  # the same 8 answers at once, uncapped: ~1,100 tokens in 512
+    gen.admit()
+    assert len(gen.inflight) == 8
+    while gen.inflight:
+        gen.step()
+    assert finished() == 16 and gen.stats["preempted"] > 0

@@ -156,3 +156,12 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
     opt2.load_state_dict(state["opt"])
     opt2.step()
     assert all(v.device.type == "cpu" for st in opt2.state.values() for v in st.values() if torch.is_tensor(v))
+
+
+def test_gpu_check_on_cpu():
+    """gpu_check.py, the GPU user's first command, run here with the tiny model: the sync
+    check and two regimes pass (the other regimes are covered by test_smoke.py)."""
+    r = subprocess.run([sys.executable, "gpu_check.py", "--model", "tiny", "--dataset", "synth", "--steps", "2",
+                        "--regimes", "stale", "recompute", "--skip-bench"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("[PASS]") == 3 and "3/3 checks passed" in r.stdout

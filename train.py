@@ -24,7 +24,8 @@ The loss, and what it simplifies:
                 loss = -(prox/mu) * min(r*A, clip(r, 1-eps, 1+eps)*A), r = pi/prox.
                 With one optimizer step per batch (as here) r = 1 at the only
                 step, so the clip never binds and this equals uncapped IS.
-- Token-level mean over the batch (every token counts the same), no KL term, no
+- Token-level mean over the batch (every token counts the same), accumulated over
+  micro-batches of --micro-batch-tokens (train_step), no KL term, no
   entropy bonus, one optimizer step per batch, AdamW with a linear warmup
   (--warmup-steps), then a constant or cosine-decayed learning rate (--lr-schedule).
 """
@@ -517,6 +518,7 @@ def main(argv=None):
                      discarded_tokens=stats["discarded_tokens"] - prev["discarded_tokens"],
                      recomputed_tokens=stats["recomputed_tokens"] - prev["recomputed_tokens"],
                      preempted=stats["preempted"] - prev["preempted"],  # kept at 0 by generator.kv_capacity
+                     **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}),
                      answer_len=len(versions) / len(batch), **pool_stats(batch_groups, rejected, pool, version),
                      # how far the behaviour policy is from the trainer's before this step: ~0 when on-policy
                      behaviour_gap=behaviour_gap)

@@ -1,0 +1,153 @@
+"""
+The first thing to run on a GPU machine (~5 minutes): does this machine run the
+experiment the way the CPU tests say it does? One screen, pass/fail per check.
+
+    python gpu_check.py                                   # Qwen/Qwen3-0.6B from the Hub, gsm8k prompts
+    python gpu_check.py --model /path/to/Qwen3-0.6B --data-file gsm8k_train.jsonl   # offline
+    python gpu_check.py --model tiny --dataset synth      # CPU: the tiny model (what the tests run)
+
+1. sync: after a push of perturbed weights, vLLM's generation-time logprobs of its
+   answers equal the trainer's logprobs of the same tokens under the pushed weights
+   (float32 on CPU: max |diff| < 1e-3; bf16 on GPU: mean |diff| < 0.05 nats, since
+   vLLM's bf16 kernels and the trainer's bf16 autocast round differently), and are
+   far from the unperturbed weights' (mean > twice the tolerance: the check can tell).
+2. every regime, --steps short train.py runs with short answers: exit 0, versions
+   consecutive, lag within --max-lag, no stale token outside `stale`, no preempted
+   request; generation and training tokens/s, the trainer's peak memory, vLLM's KV.
+3. a weight push against a raw broadcast of the same bytes (bench_sync.py).
+It needs nothing from this repository beyond the code.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+TOL = {"cpu": ("max", 1e-3), "cuda": ("mean", 0.05)}
+
+
+def check_sync(args):
+    """Check 1: push perturbed weights, collect answers written entirely by them, and
+    compare vLLM's logprobs with the trainer's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from generator import GeneratorHandle
+    from train import answer_logprobs, parse_config, prepare
+    cfg = parse_config(["--regime", "stale", "--out", "out/gpu_check/sync", "--max-new-tokens", "64",
+                        "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)])
+    env = prepare(cfg)
+    device = cfg["train_device"]
+    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).to(device)
+    gen_dtype = torch.float32 if cfg["gen_device"] == "cpu" else torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():  # v1: every tensor moved by 20% of its spread, so a tensor the push misses shows
+        old = {k: v.clone() for k, v in model.state_dict().items()}
+        for v in model.state_dict().values():
+            v += (torch.randn(v.shape, generator=g) * v.float().std().nan_to_num(0.0) * 0.2).to(v)
+    gen = GeneratorHandle(cfg, env)
+    try:
+        gen.push({k: v.to(gen_dtype) for k, v in model.state_dict().items()})
+        samples = []
+        while len(samples) < 8:
+            msg = gen.get(timeout=300)
+            assert msg is not None, "no answer from the generator within 300 s"
+            if msg[0] == "sample" and (msg[1]["versions"] == 1).all() and len(msg[1]["versions"]):
+                samples.append(msg[1])
+    finally:
+        gen.stop()
+    mu = torch.cat([s["logprobs"] for s in samples]).to(device)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+        new = answer_logprobs(model, samples, cfg["temperature"], device)
+        model.load_state_dict(old)
+        before = answer_logprobs(model, samples, cfg["temperature"], device)
+    kind, tol = TOL["cuda" if device.startswith("cuda") else "cpu"]
+    diff = (new - mu).abs()
+    d = diff.max().item() if kind == "max" else diff.mean().item()
+    far = (before - mu).abs().mean().item()
+    return d < tol and far > 2 * tol, (f"{len(mu)} tokens of 8 answers: {kind} |vLLM - trainer| {d:.2e} (tolerance "
+                                       f"{tol}); mean vs the unpushed weights {far:.2e} (must be > {2 * tol})")
+
+
+def common_flags(args):
+    flags = ["--dataset", args.dataset, "--temperature", "1.0", "--eval-every", "0", "--no-plot"]
+    for k in ("model", "data_file", "gen_device", "train_device"):
+        if getattr(args, k):
+            flags += ["--" + k.replace("_", "-"), getattr(args, k)]
+    return flags
+
+
+def check_regime(args, regime):
+    """Check 2 for one regime: a short train.py run, its metrics against the invariants."""
+    out = os.path.join("out", "gpu_check", regime)
+    cmd = [sys.executable, "train.py", "--regime", regime, "--out", out, "--steps", str(args.steps),
+           "--max-new-tokens", "128", "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)]
+    if os.path.exists(os.path.join(out, "metrics.jsonl")):
+        os.remove(os.path.join(out, "metrics.jsonl"))
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return False, f"exit {r.returncode}: {(r.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        m = [json.loads(line) for line in f]
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    kv = next((line for line in r.stdout.splitlines() if line.startswith("vLLM KV cache")), "vLLM KV cache: ?")
+    problems = []
+    if [x["version"] for x in m] != list(range(len(m))):
+        problems.append("versions not consecutive")
+    max_lag = 0 if regime == "sync" else cfg["max_lag"]
+    if max(x["lag_mean"] for x in m) > max_lag + 1e-6:
+        problems.append(f"lag above {max_lag}")
+    if regime != "stale" and any(x["stale_token_frac"] for x in m):
+        problems.append("stale tokens outside the stale regime")
+    if any(x.get("preempted") for x in m):
+        problems.append("vLLM preempted requests")
+    steps_s = m[-1]["wall_s"] - m[0]["wall_s"]
+    train_tok_s = sum(x["trained_tokens"] for x in m[1:]) / max(steps_s, 1e-9)
+    peak = max((x.get("train_peak_gib", 0) for x in m), default=0)  # logged on a GPU only
+    info = (f"{len(m)} steps in {time.time() - t0:.0f}s; gen {sum(x['gen_tok_per_s'] for x in m) / len(m):.0f} tok/s, "
+            f"trained {train_tok_s:.0f} tok/s, stale {100 * max(x['stale_token_frac'] for x in m):.0f}% max; "
+            + (f"trainer peak {peak:.1f} GiB; " if peak else "") + kv.split(": ", 1)[1])
+    return not problems, "; ".join(problems) or info
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="Hub id or directory (default: train.py's for --dataset)")
+    p.add_argument("--dataset", default="gsm8k", choices=["synth", "gsm8k", "math"], help="prompts to use")
+    p.add_argument("--data-file", default=None, help="local train split (offline)")
+    p.add_argument("--gen-device", default=None, help="as train.py (default auto)")
+    p.add_argument("--train-device", default=None, help="as train.py (default auto)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per regime")
+    p.add_argument("--regimes", nargs="+", default=["sync", "drain", "discard", "stale", "recompute"])
+    p.add_argument("--skip-bench", action="store_true", help="skip check 3 (push vs raw broadcast)")
+    args = p.parse_args(argv)
+    results = []
+
+    def report(name, fn, *a):
+        try:
+            ok, detail = fn(*a)
+        except Exception as e:  # a check that crashes has failed; the others still run
+            ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        results.append(ok)
+        print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+
+    report("sync", check_sync, args)
+    for regime in args.regimes:
+        report(f"regime {regime}", check_regime, args, regime)
+    if not args.skip_bench:
+        from bench_sync import bench_sync
+        model = args.model or "Qwen/Qwen3-0.6B"
+        if model == "tiny":
+            from tiny import tiny_model_dir
+            model = tiny_model_dir()
+        bench = argparse.Namespace(sync_model=model, rounds=5,
+                                   gen_device=args.gen_device or "auto", train_device=args.train_device or "auto")
+        report("push vs raw broadcast", lambda: (lambda x: (x <= 1.3, f"{x:.2f}x (target <= 1.3x)"))(bench_sync(bench)))
+    print(f"{sum(results)}/{len(results)} checks passed")
+    return all(results)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

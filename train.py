@@ -197,7 +197,7 @@ def memory_plan(cfg, config):
     return {"weights + grads (fp32)": 8 * n_params, "AdamW moments (fp32)": 8 * n_params,
             "bf16 copy for the push": 2 * n_params if on_gpu else 0,
             f"activations ({cfg['micro_batch_tokens']} tokens)": per_token * cfg["micro_batch_tokens"],
-            "logit chunks": 5 * LOGIT_CHUNK_BYTES}
+            "logit chunks": 5 * min(LOGIT_CHUNK_BYTES, 4 * config.vocab_size * cfg["micro_batch_tokens"])}
 
 
 def check_memory_plan(cfg):

@@ -390,7 +390,7 @@ def run_generator(cfg, samples_q, control_q, trainer):
             gen.set_activity("idle")
         else:
             gen.set_activity("draining" if not gen.admitting else "generating")
-            test_hook_stall(steps := steps + 1)
+            stall_test_hook(steps := steps + 1)
             t0 = time.time()
             gen.step()  # the slowest step so far sets the trainer's stall bound (train.stall_bound)
             gen.stats["max_step_s"] = max(gen.stats.get("max_step_s", 0.0), time.time() - t0)
@@ -404,7 +404,8 @@ def run_generator(cfg, samples_q, control_q, trainer):
                 break
             outbox.pop(0)
 
-def test_hook_stall(step):
+
+def stall_test_hook(step):
     """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_STALL_AT_STEP=N in the
     environment, the generator hangs forever before its N-th engine step, alive and
     silent, as a stuck engine or a deadlocked worker would."""
@@ -488,7 +489,7 @@ class GeneratorHandle:
                 self.died(f" ({type(e).__name__} reading its queue)")
             if kind == "error":
                 raise GeneratorDied("generator process failed:\n" + item)
-            self.last_msg = (time.time(), f"a {kind} message")
+            self.last_msg = (time.time(), kind)
             if kind == "event":
                 self.last_event = item
             if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
@@ -530,10 +531,10 @@ class GeneratorHandle:
         with open(path) as f:
             stack = f.read().strip() or "(no stack: the process did not answer SIGUSR1)"
         now, e = time.time(), self.last_event
-        last = (f"{e['what']} under v{e['version']} since {now - e['t']:.0f}s ago" if e else "no activity reported")
-        self.stall_report = (f"generator stalled: alive but {how} for {silent_s:.0f}s (last message: "
-                             f"{self.last_msg[1]}, {now - self.last_msg[0]:.0f}s ago; last activity: {last}); "
-                             f"stopped it. Its Python stack ({path}):\n{stack}")
+        last = (f"{e['what']} under v{e['version']}, {now - e['t']:.0f}s ago" if e else "no activity reported")
+        self.stall_report = (f"generator stalled: alive but {how} for {silent_s:.0f}s (last message, "
+                             f"{self.last_msg[1]}: {now - self.last_msg[0]:.0f}s ago; last activity it reported: "
+                             f"{last}); stopped it. Its Python stack ({path}):\n{stack}")
         return self.stall_report
 
     def push(self, state_dict, timeout=None):

@@ -15,6 +15,7 @@ allocator's pools; that is start-up, not a leak). Samples go to <run>/soak.jsonl
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -52,6 +53,9 @@ def main():
     p.add_argument("--out", default=None, help="run directory (default: out/soak-<time>)")
     p.add_argument("train_args", nargs="*", help="more train.py flags, after --")
     args = p.parse_args()
+    # stop cleanly on Ctrl-C or `kill`, even when started in the background (which ignores SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     run = args.out or os.path.join("out", f"soak-{time.strftime('%m%d-%H%M%S')}")
     cmd = [sys.executable, "train.py", "--steps", str(args.steps), "--eval-every", "0", "--no-plot",
            "--out", run, *args.train_args]
@@ -67,13 +71,17 @@ def main():
                     print(line.rstrip()[:120], flush=True)
 
     threading.Thread(target=follow, daemon=True).start()
-    trainer, samples, t0 = psutil.Process(proc.pid), [], time.time()
+    trainer, gen, samples, t0 = psutil.Process(proc.pid), None, [], time.time()
     try:
         while proc.poll() is None:
             time.sleep(args.every)
-            gen = generator_of(trainer)
-            if gen is None or step[0] == 0:  # before the first step: model loading, engine start
+            if step[0] == 0:  # before the first step: model loading, engine start
                 continue
+            gen = gen or generator_of(trainer)  # once: the same process from then on
+            if gen is None:
+                continue
+            if not gen.is_running():
+                break
             try:
                 s = dict(step=step[0], t=round(time.time() - t0, 1), trainer_mib=trainer.memory_info().rss / 2**20,
                          generator_mib=gen.memory_info().rss / 2**20)

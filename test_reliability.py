@@ -23,11 +23,11 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "
 
 
 CASES = ["truncated line", "missing field", "missing file", "model path", "resume nothing", "resume no ckpt",
-         "answer budget", "offline test split"]
+         "answer budget", "offline test split", "eval.py truncated line", "eval.py offline"]
 
 
 def bad_input(case, tmp):
-    """argv for one mistake, and what the one stderr line must say."""
+    """The command line of one mistake, and what the one stderr line must say."""
     with open(FIXTURE) as f:
         text = f.read()
     (tmp / "truncated.jsonl").write_text(text[:300])  # the file's second line is cut mid-string
@@ -35,15 +35,20 @@ def bad_input(case, tmp):
     (tmp / "run_without_ckpt").mkdir()
     (tmp / "run_without_ckpt" / "config.json").write_text("{}")
     gsm8k = ["--dataset", "gsm8k", "--eval-data-file", FIXTURE]
+    train = ["train.py", "--out", str(tmp / "run"), "--no-plot"]
+    evaluate = ["eval.py", "--model", "tiny", "--dataset", "gsm8k"]  # shares the loaders; its test flag: --data-file
     return {
-        "truncated line": ([*gsm8k, "--data-file", str(tmp / "truncated.jsonl")], "truncated.jsonl:2: not valid JSON"),
-        "missing field": ([*gsm8k, "--data-file", str(tmp / "no_question.jsonl")], "no 'question' field"),
-        "missing file": ([*gsm8k, "--data-file", str(tmp / "nope.jsonl")], "--data-file"),
-        "model path": (["--model", "/path/that/does/not/exist"], "neither a directory nor a Hub id"),
-        "resume nothing": (["--resume", str(tmp / "nothing")], "not a run directory"),
-        "resume no ckpt": (["--resume", str(tmp / "run_without_ckpt")], "no complete checkpoint"),
-        "answer budget": (["--max-new-tokens", "600", "--max-model-len", "512"], "lower it to"),
-        "offline test split": (["--dataset", "gsm8k", "--data-file", FIXTURE], "pass --eval-data-file"),
+        "truncated line": ([*train, *gsm8k, "--data-file", str(tmp / "truncated.jsonl")],
+                           "truncated.jsonl:2: not valid JSON"),
+        "missing field": ([*train, *gsm8k, "--data-file", str(tmp / "no_question.jsonl")], "no 'question' field"),
+        "missing file": ([*train, *gsm8k, "--data-file", str(tmp / "nope.jsonl")], "--data-file"),
+        "model path": ([*train, "--model", "/path/that/does/not/exist"], "neither a directory nor a Hub id"),
+        "resume nothing": ([*train, "--resume", str(tmp / "nothing")], "not a run directory"),
+        "resume no ckpt": ([*train, "--resume", str(tmp / "run_without_ckpt")], "no complete checkpoint"),
+        "answer budget": ([*train, "--max-new-tokens", "600", "--max-model-len", "512"], "lower it to"),
+        "offline test split": ([*train, "--dataset", "gsm8k", "--data-file", FIXTURE], "pass --eval-data-file"),
+        "eval.py truncated line": ([*evaluate, "--data-file", str(tmp / "truncated.jsonl")], "truncated.jsonl:2"),
+        "eval.py offline": (evaluate, "pass --data-file"),
     }[case]
 
 
@@ -53,9 +58,8 @@ def test_bad_input_one_line_exit_2(case, tmp_path):
     # offline whatever the machine: the Hub at a closed port, and an empty cache
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "train.py", *argv, "--out", str(tmp_path / "run"), "--no-plot"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, (out[-2000:], err[-3000:])
     lines = err.strip().splitlines()

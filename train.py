@@ -539,6 +539,7 @@ def main(argv=None):
                      reward_mean=rewards.mean().item(), loss=loss.item(), trained_tokens=len(versions),
                      stale_token_frac=stale.float().mean().item(),
                      lag_mean=(version - versions.float()).mean().item(), lag_max=(version - versions).max().item(),
+                     stall_bound_s=round(stall_bound(cfg, gen_stats), 1),  # the watchdog's bound as it stands
                      spanning_frac=sum(int(s["versions"].min() != s["versions"].max()) for s in batch
                                        if len(s["versions"])) / len(batch),
                      gen_tok_per_s=(stats["gen_tokens"] - prev["gen_tokens"]) / (now - last_t),

@@ -77,6 +77,8 @@ def main():
             time.sleep(args.every)
             if step[0] == 0:  # before the first step: model loading, engine start
                 continue
+            if step[0] >= args.steps:  # the last step: saving, then both processes tear down
+                break
             gen = gen or generator_of(trainer)  # once: the same process from then on
             if gen is None:
                 continue

@@ -16,6 +16,7 @@ Offline (no Hub access): pass --data-file with local .jsonl/.parquet in the same
 schema as the Hub dataset; tests use the small files in fixtures/.
 """
 
+import json
 import os
 import random
 
@@ -76,40 +77,109 @@ def last_boxed(text):
     return None
 
 
-def to_problem(row, dataset):
+SCHEMA = {  # dataset -> fields a row needs, and what the error message shows of the schema
+    "gsm8k": (("question", "answer"), '{"question": str, "answer": str ending in "#### N"}'),
+    "math": (("problem",), '{"problem": str, "solution": str with a final \\boxed{}, "answer": str (optional)}'),
+}
+
+
+class UsageError(Exception):
+    """A user's mistake (a missing or malformed file, a bad path, flags that cannot
+    work together): train.py and eval.py print it as one line on stderr and exit
+    with code 2, no traceback. Anything else is this project's bug and keeps its
+    traceback."""
+
+
+def to_problem(row, dataset, where="a row"):
     """Map one row of the Hub schema to {"question", "answer"}."""
+    fields, schema = SCHEMA[dataset]
+    for k in fields:
+        if k not in row:
+            raise UsageError(f"{where} has no {k!r} field; {dataset} rows look like {schema}")
     if dataset == "gsm8k":
-        return {"question": row["question"], "answer": row["answer"].split("####")[-1].strip()}
+        return {"question": row["question"], "answer": str(row["answer"]).split("####")[-1].strip()}
+    if not row.get("answer") and "solution" not in row:
+        raise UsageError(f"{where} has neither 'answer' nor 'solution'; {dataset} rows look like {schema}")
     answer = row.get("answer") or last_boxed(row["solution"])  # MATH-500 has `answer`, lighteval not
     return {"question": row["problem"], "answer": answer}
 
 
-def load_rows(dataset, split, data_file):
-    import datasets  # slow import, only for hub datasets
-    if data_file:
-        kind = "parquet" if data_file.endswith(".parquet") else "json"
-        return datasets.load_dataset(kind, data_files=data_file, split="train")
-    hub_id, config, hub_split = HUB[dataset][split]
+def read_rows_file(path):
+    """Rows of a local .jsonl (one JSON object a line) or .parquet file. Read here
+    rather than by `datasets`, whose error for a broken line is a traceback that
+    names neither the file's line nor the problem."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # ArrowInvalid, OSError: whatever the reader says is wrong with the file
+            raise UsageError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    rows = []
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UsageError(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); "
+                                     "expected one JSON object a line") from None
+                if not isinstance(row, dict):
+                    raise UsageError(f"{path}:{i}: a JSON {type(row).__name__}, expected one JSON object a line")
+                rows.append(row)
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{path}: not UTF-8 text ({e.reason}); expected .jsonl or .parquet") from None
+    if not rows:
+        raise UsageError(f"{path}: no rows")
+    return rows
+
+
+def hub_reachable(timeout=3.0):
+    """One TCP connection to the Hub (or HF_ENDPOINT): milliseconds when offline,
+    where `datasets` retries five times over ~25 s before it gives up."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        return datasets.load_dataset(hub_id, config, split=hub_split)
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_rows(dataset, split, data_file, flag):
+    if data_file:
+        return read_rows_file(data_file)
+    hub_id, config, hub_split = HUB[dataset][split]
+    if not hub_reachable():  # the local cache only, without the retries; the generator inherits this
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is imported: before the import below
+    import datasets  # slow import, only for hub datasets
+    if os.environ.get("HF_HUB_OFFLINE") == "1":  # in case datasets was imported before the line above
+        datasets.config.HF_HUB_OFFLINE = True
+    try:
+        return list(datasets.load_dataset(hub_id, config, split=hub_split))
     except Exception as e:  # offline, or the hub is unreachable: say what to do
-        raise SystemExit(f"could not load {hub_id} ({type(e).__name__}); pass --data-file "
-                         f"with a local .jsonl/.parquet in its schema") from e
+        raise UsageError(f"could not load the {split} split of {hub_id} ({type(e).__name__}); offline? "
+                         f"pass {flag} with a local .jsonl/.parquet in its schema (see fixtures/{dataset}.jsonl)") from None
 
 
-def load_problems(dataset, split, n=None, data_file=None, steps=4):
-    """The first n problems of a split (all of them when n is None)."""
+def load_problems(dataset, split, n=None, data_file=None, steps=4, flag="--data-file"):
+    """The first n problems of a split (all of them when n is None). `flag` is the
+    option that gives this split a local file: error messages name it."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}, expected one of {DATASETS}")
     if split not in ("train", "test"):
         raise ValueError(f"unknown split {split!r}")
     if dataset == "synth":
         return synth_split(split, n or 5000, steps)
-    if data_file and not os.path.exists(data_file):
-        raise SystemExit(f"--data-file {data_file} does not exist")
-    rows = load_rows(dataset, split, data_file)
-    rows = rows.select(range(min(n, len(rows)))) if n else rows
-    return [p for p in (to_problem(r, dataset) for r in rows) if p["answer"]]
+    if data_file and not os.path.isfile(data_file):
+        raise UsageError(f"{flag} {data_file}: no such file")
+    rows = load_rows(dataset, split, data_file, flag)
+    where = data_file or HUB[dataset][split][0]
+    problems = [to_problem(r, dataset, f"{where} row {i}")
+                for i, r in enumerate(rows[:n] if n else rows, 1)]
+    return [p for p in problems if p["answer"]]
 
 # -----------------------------------------------------------------------------
 # prompts

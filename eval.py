@@ -10,6 +10,7 @@ engine (so it measures exactly the weights the generator holds).
 
 import argparse
 import os
+import sys
 
 
 def eval_prompts(tokenizer, problems, dataset):
@@ -34,14 +35,16 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 for synth, 1024 otherwise")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
     from data import load_problems
     model = args.model
     if model == "tiny":
         from tiny import tiny_model_dir
         model = tiny_model_dir()
     problems = load_problems(args.dataset, "test", n=args.n, data_file=args.data_file, steps=args.synth_steps)
+    from train import check_model
+    check_model(model)  # before vLLM starts: one line for a path that is not there
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams  # ~10 s to import: after the checks
     llm = LLM(model=model, seed=0, max_model_len=None if args.dataset == "synth" else 4096)
     prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
     max_new = args.max_new_tokens or (256 if args.dataset == "synth" else 1024)
@@ -51,4 +54,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from data import UsageError
+    try:
+        main()
+    except UsageError as e:  # a user's mistake (train.py does the same): one line, exit code 2
+        print(f"eval.py: {e}", file=sys.stderr)
+        sys.exit(2)

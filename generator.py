@@ -360,11 +360,23 @@ def keep_to_gen_cores():
             os.sched_setaffinity(int(tid), [int(c) for c in cores.split(",")])
 
 
+def stack_file(cfg):
+    """Where the generator writes its Python stack when the trainer sends SIGUSR1."""
+    return os.path.join(cfg["out"], "generator-stack.txt")
+
+
 def generator_main(cfg, samples_q, control_q):
     """Entry point of the spawned generator process. Its device was chosen by the
     spawner's environment (CUDA_VISIBLE_DEVICES / INFLIGHT_GEN_CORES), which the
     process read before importing torch or vLLM."""
+    import faulthandler
+    import signal
     keep_to_gen_cores()
+    # SIGUSR1 -> every thread's Python stack into the run directory: the trainer's stall
+    # watchdog asks for it (GeneratorHandle.stalled). faulthandler writes from the C
+    # signal handler, so it answers even while the main thread is stuck inside C code.
+    os.makedirs(cfg["out"], exist_ok=True)
+    faulthandler.register(signal.SIGUSR1, file=open(stack_file(cfg), "w"), all_threads=True)
     try:
         run_generator(cfg, samples_q, control_q, trainer=os.getppid())
     except KeyboardInterrupt:  # Ctrl-C reaches both processes; the trainer reports it
@@ -410,7 +422,7 @@ def run_generator(cfg, samples_q, control_q, trainer):
     samples_q.put(("engine_ready", dict(kv_answers=kv_answers, kv_tokens=kv_tokens, admit_at_once=gen.kv_answers)))
     engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], cfg["sync_backend"]))
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
-    idle = False
+    idle, steps = False, 0
     while True:
         if os.getppid() != trainer:  # the trainer died without a word (kill -9): nobody is listening
             samples_q.cancel_join_thread()  # so exiting does not wait to flush a pipe no one reads
@@ -442,7 +454,10 @@ def run_generator(cfg, samples_q, control_q, trainer):
             gen.set_activity("idle")
         else:
             gen.set_activity("draining" if not gen.admitting else "generating")
-            gen.step()
+            stall_test_hook(steps := steps + 1)
+            t0 = time.time()
+            gen.step()  # the slowest step so far sets the trainer's stall bound (train.stall_bound)
+            gen.stats["max_step_s"] = max(gen.stats.get("max_step_s", 0.0), time.time() - t0)
         while outbox:  # never block on a full queue: the control queue must stay served
             kind, item = outbox[0]
             if kind == "sample":
@@ -452,6 +467,15 @@ def run_generator(cfg, samples_q, control_q, trainer):
             except queue.Full:
                 break
             outbox.pop(0)
+
+
+def stall_test_hook(step):
+    """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_STALL_AT_STEP=N in the
+    environment, the generator hangs forever before its N-th engine step, alive and
+    silent, as a stuck engine or a deadlocked worker would."""
+    if step == int(os.environ.get("INFLIGHT_TEST_STALL_AT_STEP", 0)):
+        while True:
+            time.sleep(3600)
 
 # -----------------------------------------------------------------------------
 # the trainer's handle on the generator process
@@ -493,8 +517,12 @@ class GeneratorHandle:
                                    daemon=True, name="inflight-generator")
         self.cfg, self.version = cfg, cfg["start_version"]
         self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
-        kind, self.engine_info = self.get(timeout=cfg["start_timeout"])
-        assert kind == "engine_ready", kind
+        self.last_msg, self.last_event = (time.time(), "nothing yet"), None  # for stalled()'s report
+        self.stall_report = None
+        if (msg := self.get(timeout=cfg["start_timeout"])) is None:
+            self.stalled(cfg["start_timeout"])
+        assert msg[0] == "engine_ready", msg[0]
+        self.engine_info = msg[1]  # the KV cache's size (train.check_kv_plan)
         self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, cfg["sync_backend"])
 
     def evaluate(self, prompts, max_tokens, timeout=3600):
@@ -506,7 +534,7 @@ class GeneratorHandle:
             if msg[0] == "eval":
                 return msg[1]["token_ids"], other
             other.append(msg)
-        raise GeneratorDied(f"no eval result within {timeout}s")
+        self.stalled(timeout)
 
     def get(self, timeout):
         """Next (kind, item) from the generator, or None after `timeout` seconds."""
@@ -526,6 +554,9 @@ class GeneratorHandle:
                 self.died(f" ({type(e).__name__} reading its queue)")
             if kind == "error":
                 raise GeneratorDied("generator process failed:\n" + item)
+            self.last_msg = (time.time(), kind)
+            if kind == "event":
+                self.last_event = item
             if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
                 item = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
             return kind, item
@@ -544,17 +575,57 @@ class GeneratorHandle:
                 raise GeneratorDied("generator process failed:\n" + item)
         raise GeneratorDied(f"generator process died{how} (exit code {self.proc.exitcode})")
 
-    def push(self, state_dict):
+    def stalled(self, silent_s):
+        """The generator is alive but sent nothing for `silent_s` seconds: stop it and
+        raise GeneratorDied with its last activity and its Python stack."""
+        raise GeneratorDied(self.stop_stalled(silent_s, "silent"))
+
+    def stop_stalled(self, silent_s, how):
+        """Ask the generator for its Python stack (SIGUSR1, see generator_main), kill
+        it, and return the report."""
+        import signal
+        path = stack_file(self.cfg)
+        os.kill(self.proc.pid, signal.SIGUSR1)
+        for _ in range(50):  # written from a signal handler: milliseconds, unless the process is frozen
+            time.sleep(0.1)
+            if os.path.exists(path) and os.path.getsize(path) > 0:
+                time.sleep(0.2)  # let every thread's stack land
+                break
+        self.proc.kill()
+        self.proc.join()
+        with open(path) as f:
+            stack = f.read().strip() or "(no stack: the process did not answer SIGUSR1)"
+        now, e = time.time(), self.last_event
+        last = (f"{e['what']} under v{e['version']}, {now - e['t']:.0f}s ago" if e else "no activity reported")
+        self.stall_report = (f"generator stalled: alive but {how} for {silent_s:.0f}s (last message, "
+                             f"{self.last_msg[1]}: {now - self.last_msg[0]:.0f}s ago; last activity it reported: "
+                             f"{last}); stopped it. Its Python stack ({path}):\n{stack}")
+        return self.stall_report
+
+    def push(self, state_dict, timeout=None):
         """Broadcast new weights; returns once the generator has received them (it
         loads them before its next engine step). Blocks while the regime makes the
         generator wait (drain: until in-flight answers finish) -- that wait is part
-        of the sync time the trainer reports."""
+        of the sync time the trainer reports. A push not acknowledged within `timeout`
+        seconds means a stuck generator: a watchdog thread stops it, which breaks the
+        broadcast, and the stall report is raised."""
+        import threading
         self.version += 1
         self.control_q.put(("weights", self.version, weight_specs(state_dict)))
+        watchdog = threading.Timer(timeout, self.stop_stalled, (timeout, "not taking new weights"))
+        watchdog.daemon = True
+        if timeout:
+            watchdog.start()
         try:
             held = send_weights(self.group, state_dict, self.transfer_device)
         except RuntimeError as e:  # a dead peer breaks the broadcast: say why it died
+            if timeout:
+                watchdog.cancel()
+                watchdog.join()  # a report being written: wait for it
+            if self.stall_report:
+                raise GeneratorDied(self.stall_report) from None
             self.died(f" during the weight broadcast ({str(e).splitlines()[0][:200]})")
+        watchdog.cancel()
         if held != self.version:
             raise RuntimeError(f"weight sync: the generator acknowledged v{held}, not v{self.version}")
         return self.version

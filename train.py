@@ -35,8 +35,12 @@ import json
 import math
 import os
 import random
+import re
+import shutil
 import sys
 import time
+
+from data import UsageError
 
 # -----------------------------------------------------------------------------
 # config
@@ -97,20 +101,114 @@ def parse_config(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's share of its GPU (default 0.85 alone, 0.3 when sharing one GPU with the trainer)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG at the end")
+    p.add_argument("--stall-s", type=float, default=0,
+                   help="seconds a live generator may send nothing while the trainer waits for it, before both "
+                        "stop with its stack (0: from --max-new-tokens and its slowest engine step, see stall_bound)")
     args = p.parse_args(argv)
     if args.resume:  # the saved config wins; only --steps may grow; flags added since it was saved take defaults
+        if not os.path.isfile(os.path.join(args.resume, "config.json")):
+            raise UsageError(f"--resume {args.resume}: not a run directory (no config.json)")
+        recover_checkpoint(args.resume)
         with open(os.path.join(args.resume, "config.json")) as f:
             cfg = {**vars(p.parse_args([])), **json.load(f)}
-        cfg.update(resume=args.resume, steps=args.steps or cfg["steps"])
+        # out: the directory as given now, wherever the run was started from
+        cfg.update(resume=args.resume, out=args.resume, steps=args.steps or cfg["steps"])
         return cfg
     cfg = vars(args)
     for k, v in DEFAULTS[cfg["dataset"]].items():
         cfg[k] = v if cfg[k] is None else cfg[k]
-    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch_tokens"):
-        if cfg[k] < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1")
+    check_config(cfg)
     cfg["out"] = cfg["out"] or os.path.join("out", f"{cfg['regime']}-{cfg['dataset']}-s{cfg['seed']}-{time.strftime('%m%d-%H%M%S')}")
     return cfg
+
+
+def check_config(cfg):
+    """What can be checked without loading anything: numbers and files. A mistake
+    raises UsageError (one line, exit code 2)."""
+    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens"):
+        if cfg[k] < 1:
+            raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
+    for flag in ("data_file", "eval_data_file"):
+        if cfg[flag] and cfg["dataset"] == "synth":
+            raise UsageError(f"--{flag.replace('_', '-')} is for --dataset gsm8k or math; synth problems are made in data.py")
+        if cfg[flag] and not os.path.isfile(cfg[flag]):
+            raise UsageError(f"--{flag.replace('_', '-')} {cfg[flag]}: no such file")
+    if not os.path.isdir(cfg["model"]) and not hub_id_shaped(cfg["model"]):  # presets ('tiny') pass
+        raise UsageError(f"--model {cfg['model']}: neither a directory nor a Hub id (org/name)")
+
+
+def hub_id_shaped(name):
+    """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
+        and "--" not in name and ".." not in name
+
+
+def check_model(name):
+    """A directory with a config.json, or something shaped like a Hub id (org/name),
+    found in the local cache when the Hub is unreachable. Without this a missing path
+    reaches transformers as a Hub id and fails there with a traceback."""
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise UsageError(f"--model {name}: a directory without config.json (not a Hugging Face checkpoint)")
+        return
+    if not hub_id_shaped(name):
+        raise UsageError(f"--model {name}: neither a directory nor a Hub id (org/name)")
+    from data import hub_reachable
+    if not hub_reachable():
+        from huggingface_hub import try_to_load_from_cache
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise UsageError(f"--model {name}: no such directory, and the Hub is unreachable with no cached copy "
+                             "of that id: pass a local directory")
+        import huggingface_hub.constants  # cached: load it without five retries per file, here and
+        os.environ["HF_HUB_OFFLINE"] = "1"  # in the generator (which inherits the environment)
+        huggingface_hub.constants.HF_HUB_OFFLINE = True  # read at import: already imported here
+
+
+def check_budget(cfg, problems):
+    """The longest prompt plus --max-new-tokens must fit in --max-model-len, and that
+    in the model's positions: vLLM would otherwise cap answers without a word, or
+    refuse in the generator after its start. Needs the tokenizer, not the model;
+    costs one batched tokenization of every prompt (~1 s for GSM8K's 7.5k)."""
+    from transformers import AutoConfig, AutoTokenizer
+    from data import make_prompt
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+        positions = getattr(AutoConfig.from_pretrained(cfg["model_path"]), "max_position_embeddings", None)
+    except OSError as e:  # not a model, or not reachable: transformers says which
+        raise UsageError(f"--model {cfg['model']}: {str(e).splitlines()[0]}") from None
+    prompts = [make_prompt(tokenizer, p["question"], cfg["dataset"]) for p in problems]
+    longest = max(map(len, tokenizer(prompts, add_special_tokens=False)["input_ids"]))
+    n, limit = cfg["max_new_tokens"], cfg["max_model_len"]
+    if positions and limit > positions:
+        raise UsageError(f"--max-model-len {limit} exceeds the model's {positions} positions")
+    if longest + n > limit:
+        raise UsageError(f"--max-new-tokens {n} does not fit --max-model-len {limit} after the longest prompt "
+                         f"({longest} tokens): lower it to {limit - longest} or raise --max-model-len to {longest + n}")
+
+
+def load_splits(cfg):
+    """Both splits, before torch or transformers load: the generator reads the train
+    split itself, but a bad file or an offline Hub should stop the run before
+    anything expensive starts. The test split is the trainer's, for evaluations."""
+    from data import load_problems
+    train = load_problems(cfg["dataset"], "train", data_file=cfg["data_file"], steps=cfg["synth_steps"])
+    test = load_problems(cfg["dataset"], "test", n=cfg["eval_n"], data_file=cfg["eval_data_file"],
+                         steps=cfg["synth_steps"], flag="--eval-data-file")
+    return train, test
+
+
+def stall_bound(cfg, gen_stats):
+    """Seconds a live generator may send nothing while the trainer waits for it before
+    the trainer calls it stuck (--stall-s overrides). Every answer ends within
+    --max-new-tokens engine steps of its start, so: 30 s (a busy machine's hiccups)
+    + 3 x max_new_tokens x the slowest engine step measured so far (1 s assumed
+    before the first answer brings a measurement). Tiny model on 2 CPU cores, 96
+    tokens: about 30 + 3 x 96 x 0.1 = 60 s. Evaluations allow one bound per wave
+    of max_num_seqs prompts; a weight push, one bound (drain holds it until the
+    answers in flight finish)."""
+    if cfg.get("stall_s"):
+        return cfg["stall_s"]
+    return 30 + 3 * cfg["max_new_tokens"] * gen_stats.get("max_step_s", 1.0)
 
 
 def physical_gpu(device):
@@ -353,22 +451,76 @@ class RunLog:
         self.metrics.flush()
 
 
+LOGS = ("metrics.jsonl", "events.jsonl")
+
+
 def save_checkpoint(cfg, model, tokenizer, opt, step, version, data_position):
-    """HF-format model + tokenizer, plus what --resume needs, written then renamed."""
+    """HF-format model + tokenizer, plus what --resume needs, in ckpt/. Safe against
+    a crash at any point (not against a power cut: nothing is fsynced, which would
+    cost seconds per GB): everything is written to ckpt.tmp/, trainer_state.pt last,
+    and only a complete ckpt.tmp/ is renamed to ckpt/. So ckpt/ is complete whenever
+    it exists; between the two renames only ckpt.old/ exists, complete, and
+    recover_checkpoint puts it back. The log sizes let --resume cut the logs back
+    to this moment (cut_logs)."""
     import torch
     path = os.path.join(cfg["out"], "ckpt")
-    tmp = path + ".tmp"
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)  # what a save that died half-way left
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    log_sizes = {name: os.path.getsize(os.path.join(cfg["out"], name)) for name in LOGS
+                 if os.path.exists(os.path.join(cfg["out"], name))}  # lines are flushed whole: a line boundary
     torch.save(dict(opt=opt.state_dict(), step=step, version=version, data_position=data_position,
-                    rng=dict(torch=torch.get_rng_state(), python=random.getstate())),
+                    log_sizes=log_sizes, rng=dict(torch=torch.get_rng_state(), python=random.getstate())),
                os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(path):
-        os.rename(path, path + ".old")
+        shutil.rmtree(old, ignore_errors=True)  # a leftover of a save that died after its last rename
+        os.rename(path, old)
     os.rename(tmp, path)
-    if os.path.exists(path + ".old"):
-        import shutil
-        shutil.rmtree(path + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_complete(path):
+    return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "trainer_state.pt")) and any(
+        os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def recover_checkpoint(run):
+    """For --resume: <run>/ckpt/ if complete; else a complete ckpt.old/, which a save
+    that died between its two renames leaves alone, renamed back to ckpt/. No
+    complete checkpoint is a UsageError."""
+    path = os.path.join(run, "ckpt")
+    if checkpoint_complete(path):
+        return path
+    if not os.path.exists(path) and checkpoint_complete(path + ".old"):
+        os.rename(path + ".old", path)
+        print(f"resume: {path} was missing (a save was interrupted); using the previous checkpoint, "
+              f"{path}.old", file=sys.stderr)
+        return path
+    raise UsageError(f"--resume {run}: no complete checkpoint in {path} (runs save one every --save-every "
+                     "steps and at the last step)")
+
+
+def cut_logs(out, state):
+    """--resume: cut metrics.jsonl and events.jsonl back to their size when the
+    checkpoint was saved, so each step appears once; what the dead run logged after
+    it moves to <name>.cut-<time>.jsonl. Returns wall_s at the checkpoint, for the
+    resumed run's clock to continue from."""
+    for name, size in state.get("log_sizes", {}).items():
+        path = os.path.join(out, name)
+        with open(path, "rb") as f:
+            f.seek(size)
+            tail = f.read()
+        if tail:  # copy first, then truncate: a crash in between loses nothing
+            lines = tail.count(b"\n")
+            side = os.path.join(out, f"{name.removesuffix('.jsonl')}.cut-{time.strftime('%m%d-%H%M%S')}.jsonl")
+            with open(side, "wb") as f:
+                f.write(tail)
+            os.truncate(path, size)
+            print(f"resume: {lines} lines of {name} written after the step-{state['step']} "
+                  f"checkpoint moved to {side}", file=sys.stderr)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return max([json.loads(line).get("wall_s", 0.0) for line in f if line.strip()] or [0.0])
 
 def load_trainer_state(run):
     """What save_checkpoint wrote beside the model. map_location: the optimizer state
@@ -383,15 +535,17 @@ def load_trainer_state(run):
 
 def main(argv=None):
     cfg = parse_config(argv)
+    train_problems, test = load_splits(cfg)  # a bad file or flag stops the run here, in seconds
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from data import load_problems
     from eval import eval_prompts, pass_at_1
     from generator import GeneratorHandle
     from pace import default_target, pool_stats, take_groups_fifo, take_groups_pace
     from reward import score
 
     env = prepare(cfg)
+    check_model(cfg["model_path"])  # after prepare: presets ('tiny') are directories by now
+    check_budget(cfg, train_problems + test)
     device = cfg["train_device"]
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
@@ -405,9 +559,6 @@ def main(argv=None):
         json.dump(cfg, f, indent=1)
     print(json.dumps(cfg, indent=1))
 
-    # the train split is the generator's (each sample carries its answer); the test split is ours
-    test = load_problems(cfg["dataset"], "test", n=cfg["eval_n"], data_file=cfg["eval_data_file"],
-                         steps=cfg["synth_steps"])
     check_memory_plan(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     # float32 master weights everywhere: AdamW at lr 1e-6 on bf16 weights of size ~0.02
@@ -423,8 +574,9 @@ def main(argv=None):
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
 
+    wall_s0 = cut_logs(cfg["out"], state) if cfg.get("resume") else 0.0  # resume: drop what came after the checkpoint
     log = RunLog(cfg["out"])
-    t_start = time.time()  # wall_s counts from here, and so does the timeline
+    t_start = time.time() - wall_s0  # wall_s counts from here (a resumed run continues its clock)
     log.trainer("starting")
     print(f"starting the generator ({cfg['gen_device']}, regime {cfg['regime']}) ...", flush=True)
     gen = GeneratorHandle(cfg, env)
@@ -448,7 +600,8 @@ def main(argv=None):
 
     def evaluate():
         log.trainer("evaluating")
-        token_ids, other = gen.evaluate(eval_prompt_ids, cfg["max_new_tokens"])
+        waves = 1 + len(eval_prompt_ids) // cfg["max_num_seqs"]  # the engine runs max_num_seqs at a time
+        token_ids, other = gen.evaluate(eval_prompt_ids, cfg["max_new_tokens"], stall_bound(cfg, gen_stats) * waves)
         for m in other:
             intake(m)
         return pass_at_1(tokenizer.batch_decode(token_ids, skip_special_tokens=True), test, cfg["dataset"])
@@ -464,9 +617,10 @@ def main(argv=None):
             log.trainer("waiting")
             t0 = time.time()
             while len(pool) < cfg["prompts_per_step"]:
-                msg = gen.get(timeout=60)
-                if msg is not None:
-                    intake(msg)
+                bound = stall_bound(cfg, gen_stats)
+                if (msg := gen.get(timeout=bound)) is None:  # alive (get raises if not), yet silent
+                    gen.stalled(bound)  # stops it and raises, with its stack
+                intake(msg)
             while (msg := gen.get(timeout=0)) is not None:  # whatever else already arrived
                 intake(msg)
             trainer_wait_s = time.time() - t0
@@ -498,7 +652,8 @@ def main(argv=None):
             # 4. push the new weights to the generator
             log.trainer("syncing")
             t0 = time.time()
-            new_version = gen.push({k: v.to(gen_dtype) for k, v in model.state_dict().items()})
+            new_version = gen.push({k: v.to(gen_dtype) for k, v in model.state_dict().items()},
+                                   timeout=stall_bound(cfg, gen_stats))  # drain holds it up to one answer
             sync_s = time.time() - t0
 
             # 5. log: what explains the run (DESIGN.md's metrics contract)
@@ -509,7 +664,8 @@ def main(argv=None):
             m = dict(step=step, wall_s=round(now - t_start, 2), version=version,
                      reward_mean=rewards.mean().item(), loss=loss, trained_tokens=len(versions),
                      stale_token_frac=stale.float().mean().item(),
-                     lag_mean=(version - versions.float()).mean().item(),
+                     lag_mean=(version - versions.float()).mean().item(), lag_max=(version - versions).max().item(),
+                     stall_bound_s=round(stall_bound(cfg, gen_stats), 1),  # the watchdog's bound as it stands
                      spanning_frac=sum(int(s["versions"].min() != s["versions"].max()) for s in batch
                                        if len(s["versions"])) / len(batch),
                      gen_tok_per_s=(stats["gen_tokens"] - prev["gen_tokens"]) / (now - last_t),
@@ -553,5 +709,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, schedulers: stop as Ctrl-C does
     try:
         main()
+    except UsageError as e:  # a user's mistake: one line, no traceback
+        print(f"train.py: {e}", file=sys.stderr)
+        sys.exit(2)
     except GeneratorDied as e:
         sys.exit(f"train.py: {e}")

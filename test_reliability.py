@@ -1,0 +1,223 @@
+"""
+Reliability, through train.py as a user runs it (CPU, the tiny model, the real
+vLLM engine where one runs): a user's mistake stops the run in seconds with one
+line on stderr and exit code 2, before the generator starts; a stalled generator
+is caught and reported with its stack; --resume after kill -9 logs every step once
+and keeps the staleness bound; a save that dies half-way leaves a checkpoint that
+--resume finds.
+
+    .venv/bin/python -m pytest -q test_reliability.py
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "gsm8k.jsonl")
+
+
+CASES = ["truncated line", "missing field", "missing file", "model path", "resume nothing", "resume no ckpt",
+         "answer budget", "offline test split", "eval.py truncated line", "eval.py offline"]
+
+
+def bad_input(case, tmp):
+    """The command line of one mistake, and what the one stderr line must say."""
+    with open(FIXTURE) as f:
+        text = f.read()
+    (tmp / "truncated.jsonl").write_text(text[:300])  # the file's second line is cut mid-string
+    (tmp / "no_question.jsonl").write_text(text.replace('"question"', '"q"', 2).split("\n", 2)[1] + "\n")
+    (tmp / "run_without_ckpt").mkdir()
+    (tmp / "run_without_ckpt" / "config.json").write_text("{}")
+    gsm8k = ["--dataset", "gsm8k", "--eval-data-file", FIXTURE]
+    train = ["train.py", "--out", str(tmp / "run"), "--no-plot"]
+    evaluate = ["eval.py", "--model", "tiny", "--dataset", "gsm8k"]  # shares the loaders; its test flag: --data-file
+    return {
+        "truncated line": ([*train, *gsm8k, "--data-file", str(tmp / "truncated.jsonl")],
+                           "truncated.jsonl:2: not valid JSON"),
+        "missing field": ([*train, *gsm8k, "--data-file", str(tmp / "no_question.jsonl")], "no 'question' field"),
+        "missing file": ([*train, *gsm8k, "--data-file", str(tmp / "nope.jsonl")], "--data-file"),
+        "model path": ([*train, "--model", "/path/that/does/not/exist"], "neither a directory nor a Hub id"),
+        "resume nothing": ([*train, "--resume", str(tmp / "nothing")], "not a run directory"),
+        "resume no ckpt": ([*train, "--resume", str(tmp / "run_without_ckpt")], "no complete checkpoint"),
+        "answer budget": ([*train, "--max-new-tokens", "600", "--max-model-len", "512"], "lower it to"),
+        "offline test split": ([*train, "--dataset", "gsm8k", "--data-file", FIXTURE], "pass --eval-data-file"),
+        "eval.py truncated line": ([*evaluate, "--data-file", str(tmp / "truncated.jsonl")], "truncated.jsonl:2"),
+        "eval.py offline": (evaluate, "pass --data-file"),
+    }[case]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_one_line_exit_2(case, tmp_path):
+    argv, names = bad_input(case, tmp_path)
+    # offline whatever the machine: the Hub at a closed port, and an empty cache
+    env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, (out[-2000:], err[-3000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    assert "starting the generator" not in out  # stopped before the expensive part
+    left = [p for p in psutil.process_iter() if p.pid != proc.pid and _pgid(p.pid) == proc.pid]
+    assert not left, left
+    print(f"{case}: {time.time() - t0:.1f}s: {lines[0]}")
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+class Crash(Exception):
+    pass
+
+
+def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
+    """A save that dies at each point of save_checkpoint (simulated by an exception
+    at that point: what is on disk is what a kill would leave) leaves a checkpoint
+    that loads, and recover_checkpoint (what --resume calls) finds it."""
+    import shutil
+    import torch
+    from transformers import AutoModelForCausalLM
+    import train
+    from tiny import RECIPE, build_model, build_tokenizer
+    tok = build_tokenizer()
+    model = build_model(len(tok), RECIPE)
+    opt = torch.optim.AdamW(model.parameters())
+    cfg = dict(out=str(tmp_path))
+    for name in train.LOGS:
+        (tmp_path / name).write_text("{}\n")
+    ckpt = str(tmp_path / "ckpt")
+
+    def save(step):
+        train.save_checkpoint(cfg, model, tok, opt, step=step, version=step, data_position=4 * step)
+
+    def resumes_at(step):
+        path = train.recover_checkpoint(str(tmp_path))
+        assert torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)["step"] == step
+        AutoModelForCausalLM.from_pretrained(path)  # loads whole
+
+    rename, rmtree = os.rename, shutil.rmtree
+
+    def fail_rename_into_ckpt(src, dst):  # after ckpt -> ckpt.old, before ckpt.tmp -> ckpt
+        if dst == ckpt:
+            raise Crash
+        rename(src, dst)
+
+    def fail_final_cleanup(path, **kw):  # ckpt is the new one; ckpt.old half deleted
+        if path.endswith(".old") and not os.path.exists(ckpt + ".tmp") and os.path.exists(path):
+            os.remove(os.path.join(path, "model.safetensors"))
+            raise Crash
+        rmtree(path, **kw)
+
+    def fail_torch_save(*a, **kw):  # ckpt.tmp half written
+        raise Crash
+
+    save(1)
+    resumes_at(1)
+    crashes = [(torch, "save", fail_torch_save, "previous"), (os, "rename", fail_rename_into_ckpt, "previous"),
+               (shutil, "rmtree", fail_final_cleanup, "new")]
+    for step, (module, attr, failure, survivor) in enumerate(crashes, start=2):
+        with monkeypatch.context() as m:
+            m.setattr(module, attr, failure)
+            with pytest.raises(Crash):
+                save(step)
+        if attr == "rename":
+            assert not os.path.exists(ckpt) and os.path.exists(ckpt + ".old")  # the window it covers
+        resumes_at(step - 1 if survivor == "previous" else step)
+        save(step)  # the next save cleans up whatever the dead one left
+        resumes_at(step)
+        assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *train.LOGS])
+
+
+SMALL = ["--eval-every", "0", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "6",
+         "--max-new-tokens", "64", "--no-plot"]
+
+
+def read(run, name):
+    with open(os.path.join(run, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+def start_train(*args, env=None):
+    """train.py in its own process group (its generator joins it), stdout piped."""
+    return subprocess.Popen([sys.executable, "train.py", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+
+
+def wait_for(proc, prefix, timeout=300):
+    t0 = time.time()
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return
+        assert time.time() - t0 < timeout
+    raise AssertionError(f"train.py ended before {prefix!r}: " + proc.stderr.read()[-3000:])
+
+
+def session_left(pgid):
+    return [p for p in psutil.process_iter() if _pgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_resume_after_kill_9_logs_each_step_once(tmp_path):
+    """kill -9 between two checkpoints, --resume: every step once, versions
+    consecutive, data position and version continued, lag never above --max-lag,
+    and what the dead run logged after its checkpoint kept in side files."""
+    import torch
+    run = str(tmp_path / "run")
+    proc = start_train("--regime", "stale", "--out", run, "--steps", "1000", "--save-every", "4", "--max-lag", "2",
+                       *SMALL)
+    wait_for(proc, "step 5 ")  # the checkpoint is step 4's; step 5 is logged, 8 is far
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.time() + 30
+    while session_left(proc.pid) and time.time() < deadline:  # the orphaned generator exits by itself
+        time.sleep(0.5)
+    assert not session_left(proc.pid)
+    state = torch.load(os.path.join(run, "ckpt", "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 4 and state["version"] == 4
+    logged = [m["step"] for m in read(run, "metrics.jsonl")]
+    assert logged[:5] == [1, 2, 3, 4, 5]  # the dead run got past its checkpoint
+
+    r = subprocess.run([sys.executable, "train.py", "--resume", run, "--steps", "9"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    metrics = read(run, "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 10))
+    assert [m["version"] for m in metrics] == list(range(9))
+    assert all(m["lag_max"] <= 2 for m in metrics), [m["lag_max"] for m in metrics]
+    assert all(b["wall_s"] > a["wall_s"] for a, b in zip(metrics, metrics[1:]))  # the clock continues
+    cfg = json.load(open(os.path.join(run, "config.json")))
+    assert (cfg["start_version"], cfg["start_group"]) == (4, state["data_position"])
+    cut = [f for f in os.listdir(run) if f.startswith("metrics.cut-")]
+    assert len(cut) == 1 and read(run, cut[0])[0]["step"] == 5
+    assert any(f.startswith("events.cut-") for f in os.listdir(run))
+    trainer = [e["what"] for e in read(run, "events.jsonl") if e["proc"] == "trainer"]
+    restart = trainer.index("starting", 1)
+    assert trainer[restart - 1] == "saving"  # the timeline resumes where the checkpoint was taken
+
+
+def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
+    """A generator alive but silent (the test hook hangs it before engine step 60)
+    is stopped by the trainer, which reports its last activity and Python stack."""
+    env = dict(os.environ, INFLIGHT_TEST_STALL_AT_STEP="60")
+    # short answers (--synth-steps 2), so messages flow every few steps until the hang
+    proc = start_train("--out", str(tmp_path / "run"), "--steps", "1000", "--stall-s", "20", *SMALL,
+                       "--synth-steps", "2", env=env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, (out[-2000:], err[-3000:])
+    # silent while the trainer waits for answers, or not taking a push: whichever it was doing
+    assert "generator stalled: alive but" in err and "for 20s" in err, err[-3000:]
+    assert "last activity it reported: " in err
+    assert "in stall_test_hook" in err  # the stack faulthandler wrote, pointing at the hang
+    time.sleep(1)
+    assert not session_left(proc.pid)

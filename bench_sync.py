@@ -3,6 +3,7 @@ Benchmarks of the generator's two costs, each against a baseline measured in the
 same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
 
     .venv/bin/python bench_sync.py                 # CPU: tiny model for tokens/s, a ~50M random Qwen3 for sync
+    .venv/bin/python bench_sync.py --sync-model smol --gen-model smol --prompts 4   # SmolLM2-135M (smol.py)
     python bench_sync.py --sync-model Qwen/Qwen3-0.6B --gen-device cuda:0 --train-device cuda:1   # GPUs
 
 1. weight sync: the time train.py's push blocks the trainer (broadcast of every
@@ -53,6 +54,9 @@ def bench_sync(args):
                                           head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
             AutoModelForCausalLM.from_config(config).save_pretrained(path)
             tok.save_pretrained(path)
+    elif path == "smol":
+        from smol import smol_model_dir
+        path = smol_model_dir()
     cfg = parse_config(["--regime", "stale", "--model", path, "--out", "out/bench", "--gen-device", args.gen_device,
                         "--train-device", args.train_device, "--max-lag", "-1000000"])  # admits nothing: idle engine
     env = prepare(cfg)
@@ -107,7 +111,8 @@ def bench_generate(args):
     from eval import eval_prompts
     from generator import Generator, make_engine
     from train import parse_config, prepare
-    cfg = parse_config(["--regime", "stale", "--out", "out/bench", "--synth-steps", "8", "--max-new-tokens", "96",
+    cfg = parse_config(["--regime", "stale", "--model", args.gen_model, "--out", "out/bench", "--synth-steps", "8",
+                        "--max-new-tokens", "96",
                         "--prompts-per-step", str(args.prompts), "--group-size", "8", "--max-lag", "0",
                         "--gen-device", args.gen_device, "--train-device", args.train_device])
     env = prepare(cfg)
@@ -147,6 +152,7 @@ if __name__ == "__main__":
     p.add_argument("--sync-model", default="medium",
                    help="model whose weights are pushed ('medium': a random ~50M Qwen3)")
     p.add_argument("--rounds", type=int, default=7, help="pushes (and raw broadcasts) to take the median of")
+    p.add_argument("--gen-model", default="tiny", help="model for the generation benchmark ('tiny', 'smol', a path)")
     p.add_argument("--prompts", type=int, default=16, help="prompts for the generation benchmark (x8 answers each)")
     p.add_argument("--gen-device", default="auto")
     p.add_argument("--train-device", default="auto")

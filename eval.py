@@ -27,7 +27,7 @@ def pass_at_1(completions, problems, dataset):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="checkpoint directory or Hub id ('tiny' for the tiny preset)")
+    parser.add_argument("--model", required=True, help="checkpoint directory or Hub id ('tiny', 'smol': the presets)")
     parser.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="which test split")
     parser.add_argument("--n", type=int, default=200, help="number of test problems (the first n)")
     parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
@@ -40,10 +40,16 @@ def main():
     if model == "tiny":
         from tiny import tiny_model_dir
         model = tiny_model_dir()
+    elif model == "smol":
+        from smol import smol_model_dir
+        model = smol_model_dir()
     problems = load_problems(args.dataset, "test", n=args.n, data_file=args.data_file, steps=args.synth_steps)
     from train import check_model
     check_model(model)  # before vLLM starts: one line for a path that is not there
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # CPU: a fixed KV cache (GiB), as train.py gives the generator; without it vLLM asks for
+    # 92% of the node's memory and refuses to start when other processes hold some
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams  # ~10 s to import: after the checks
     llm = LLM(model=model, seed=0, max_model_len=None if args.dataset == "synth" else 4096)
     prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]

@@ -56,7 +56,7 @@ BINS = [(1, 8), (9, 16), (17, 32), (33, None)]  # distance from the switch, 1 = 
 def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny', a Hub id or a directory")
+    p.add_argument("--model", default="tiny", help="'tiny', 'smol' (smol.py), a Hub id or a directory")
     p.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="task")
     p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline)")
     p.add_argument("--synth-steps", type=int, default=8, help="operations per synth problem (8: ~70-token answers)")
@@ -225,6 +225,9 @@ def main(argv=None):
     if path == "tiny":
         from tiny import tiny_model_dir
         path = tiny_model_dir()
+    elif path == "smol":
+        from smol import smol_model_dir
+        path = smol_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     old = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()  # float32: see docstring

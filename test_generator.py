@@ -65,14 +65,16 @@ def hf_logprobs(model, prompt_ids, token_ids, temperature=1.0):
     return logp[P - 1:-1].gather(-1, torch.tensor(token_ids)[:, None].long())[:, 0]
 
 
-def test_sync_is_exact():
+def test_sync_is_exact(model_args=(), tol=1e-3):
     """Push perturbed weights, generate greedily under them: vLLM's tokens and
     logprobs equal the HF model's. named_parameters() leaves the tied lm_head out
-    and must be caught; the state_dict() must match."""
+    and must be caught; the state_dict() must match. (test_smol.py runs it on
+    SmolLM2 through `model_args`.)"""
     gen, cfg = start("sync", "--temperature", "0", "--group-size", "1", "--prompts-per-step", "4",
-                     "--synth-steps", "3", "--max-new-tokens", "48")
+                     "--synth-steps", "3", "--max-new-tokens", "48", *model_args)
     try:
         model = hf_model(cfg)
+        eos = model.generation_config.eos_token_id  # tiny: 0; SmolLM2: <|im_end|>
         collect(gen, 4)  # the batch of version 0
 
         # 1. the wrong push: named_parameters() skips the tied lm_head.weight
@@ -91,10 +93,10 @@ def test_sync_is_exact():
             for s in collect(gen, 4):
                 prompt = s["prompt_ids"].tolist()
                 greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
-                                        pad_token_id=0, eos_token_id=0)[0, len(prompt):].tolist()
+                                        pad_token_id=eos, eos_token_id=eos)[0, len(prompt):].tolist()
                 assert s["token_ids"].tolist() == greedy, "vLLM's greedy answer differs from HF's"
                 ref = hf_logprobs(model, prompt, s["token_ids"].tolist())
-                assert (ref - s["logprobs"]).abs().max() < 1e-3
+                assert (ref - s["logprobs"]).abs().max() < tol
                 assert s["versions"].tolist() == [version] * len(greedy)
     finally:
         gen.stop()

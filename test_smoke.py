@@ -41,15 +41,21 @@ def read(run, name):
 def test_regime_end_to_end(regime, tmp_path):
     run = str(tmp_path / regime)
     train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *(["--no-plot"] if regime != "recompute" else []))
+    check_run(run, regime, steps=3)
+
+
+def check_run(run, regime, steps):
+    """The run directory against DESIGN.md's contract, and the regime's invariants
+    against its metrics (test_smol.py checks SmolLM2's runs with it too)."""
     cfg = json.load(open(os.path.join(run, "config.json")))
-    assert cfg["regime"] == regime and cfg["steps"] == 3
+    assert cfg["regime"] == regime and cfg["steps"] == steps
     metrics = [m for m in read(run, "metrics.jsonl") if m["step"] > 0]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:
         assert METRIC_KEYS <= set(m), METRIC_KEYS - set(m)
         assert m["trained_tokens"] > 0 and 0 <= m["reward_mean"] <= 1
     assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
-    assert [m["version"] for m in metrics] == [0, 1, 2]
+    assert [m["version"] for m in metrics] == list(range(steps))
     events = read(run, "events.jsonl")
     assert {e["proc"] for e in events} == {"trainer", "generator"}
     assert {e["what"] for e in events} <= ACTIVITIES

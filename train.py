@@ -64,7 +64,7 @@ def parse_config(argv=None):
     p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline)")
     p.add_argument("--eval-data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
     p.add_argument("--synth-steps", type=int, default=2, help="operations per synth problem: sets answer length")
-    p.add_argument("--model", default=None, help="'tiny', a Hub id or a directory (default: per dataset)")
+    p.add_argument("--model", default=None, help="'tiny', 'smol' (smol.py), a Hub id or a directory (default: per dataset)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: per dataset)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="GRPO groups per optimizer step")
     p.add_argument("--group-size", type=int, default=None, help="answers sampled per prompt")
@@ -263,6 +263,9 @@ def prepare(cfg):
     if cfg["model"] == "tiny":  # before resolve_devices pins this process to half the cores
         from tiny import tiny_model_dir
         cfg["model_path"] = tiny_model_dir()
+    elif cfg["model"] == "smol":  # SmolLM2-135M-Instruct from PyPI, de-quantized once (smol.py)
+        from smol import smol_model_dir
+        cfg["model_path"] = smol_model_dir()
     else:
         cfg["model_path"] = cfg["model"]
     env = resolve_devices(cfg)

@@ -94,7 +94,7 @@ class Rollout:
         self.submitted = time.time()
         self.recomputed = 0  # tokens whose KV was rebuilt under newer weights
         # provenance (answers.jsonl), run-length encoded: one entry per run of engine
-        # steps with the same weights, not one per token (~0.3 KB per answer)
+        # steps with the same weights, not one per token (~0.4 KB per answer in answers.jsonl)
         self.segments = []  # [t0, t1, version, n_tokens, stale]: consecutive steps that wrote tokens
         self.prefills = []  # [t0, t1, version, n_tokens, "prompt" | "recompute"]: steps that wrote KV of a prefix
         self.discarded = []  # [t, n_tokens, segments]: attempts thrown away (discard)

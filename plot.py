@@ -192,7 +192,7 @@ def legend_handles(versions):
     h += [Patch(facecolor="white", edgecolor="black", hatch="////", label="token read KV written by older weights (stale)"),
           Patch(facecolor="grey", alpha=0.35, label="tokens thrown away, answer restarted (discard; x = abort)"),
           Patch(color="black", label="KV of prompt + partial answer rebuilt (recompute)"),
-          Line2D([], [], color="lightgrey", label="admitted, no token yet (queued)"),
+          Line2D([], [], color="lightgrey", label="alive, no token being written (queued, paused)"),
           Line2D([], [], ls=":", color="black", marker="|", label="finished, waiting in the pool | consumed by a step"),
           Line2D([], [], ls="", color="red", marker="X", label="rejected by the pool (PACE)"),
           Patch(color="red", alpha=0.25, label="generator loading new weights"),

@@ -257,7 +257,7 @@ class Generator:
         (--pool pace) still count: their places are not admitted again, so each
         rejection shrinks the backlog for good. (Giving them back was tried: the
         generator refilled the pool to the bound every step and PACE then rejected
-        56 of every 72 groups, most of them fresh; README, PACE.)"""
+        56 of every 72 groups, most of them fresh; RESULTS.md, PACE.)"""
         versions = self.version - self.start_version + self.cfg["max_lag"] + 1
         budget = self.start_group + versions * self.cfg["prompts_per_step"]
         return self.admitting and self.next_group < budget and len(self.outbox) < self.cfg["queue_size"]

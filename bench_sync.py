@@ -14,6 +14,10 @@ same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
    alternating 1 s apart so that both meet the same machine.
 2. generation: generator.py's step loop (one engine.step() at a time, per-token
    bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
+3. provenance (--only provenance): the step loop with the per-answer record
+   (Rollout.record's run-length segments, answers.jsonl) vs the same loop with a
+   record() that keeps only the per-token arrays, rounds alternating; then the
+   bytes per generated token of the answers.jsonl lines train.py would write.
 """
 
 import argparse
@@ -146,6 +150,70 @@ def bench_generate(args):
     return ours / theirs
 
 
+def bench_provenance(args):
+    """Tokens/s of the step loop with and without the provenance record, same engine,
+    alternating rounds; and answers.jsonl's bytes per token."""
+    import json
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from transformers import AutoTokenizer
+    from data import load_problems
+    from generator import Generator, Rollout, make_engine
+    from train import parse_config, prepare
+    cfg = parse_config(["--regime", "stale", "--out", "out/bench", "--prompts-per-step", str(args.prompts),
+                        "--max-lag", "0", "--gen-device", args.gen_device, "--train-device", args.train_device])
+    prepare(cfg)  # the synth defaults: 2-operation problems, group size 8, as a default run
+    problems = load_problems("synth", "train", n=args.prompts, steps=cfg["synth_steps"])
+    gen = Generator(cfg, make_engine(cfg), problems, AutoTokenizer.from_pretrained(cfg["model_path"]), [])
+    with_record = Rollout.record
+
+    def without_record(self, token_ids, logprobs, version, step, t0, t1):  # the record before provenance
+        if self.kv_version is None:
+            self.kv_version = version
+        for tok, lp in zip(token_ids, logprobs):
+            self.tokens.append(tok)
+            self.logprobs.append(lp)
+            self.versions.append(version)
+            self.stale.append(self.kv_version < version)
+    rates = {"with": [], "without": []}
+    for i in range(2 * args.rounds):  # alternate; the first round of each kind warms up
+        kind = ["with", "without"][i % 2]
+        Rollout.record = with_record if kind == "with" else without_record
+        gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
+        gen.outbox.clear()
+        gen.admit()
+        t0 = time.time()
+        while gen.inflight:
+            gen.step()
+        rates[kind].append(gen.stats["gen_tokens"] / (time.time() - t0))
+    Rollout.record = with_record
+    w, wo = median_high(rates["with"][1:]), median_high(rates["without"][1:])
+    print("tok/s per round, with:", [round(x) for x in rates["with"]], "without:", [round(x) for x in rates["without"]])
+    # the record itself, outside the engine: one call per answer per step, as Generator.step makes them
+    cost = {}
+    for kind, fn in [("with", with_record), ("without", without_record)] * 3:
+        r = Rollout("0-0", 0, 0, [1] * 20, 10 ** 6)
+        t0 = time.perf_counter()
+        for step in range(100_000):
+            fn(r, [7], [-0.5], 0, step, 0.0, 0.0)
+        cost[kind] = min(cost.get(kind, 1e9), (time.perf_counter() - t0) / 100_000 * 1e6)
+    print(f"Rollout.record per call (one token): with {cost['with']:.2f} us, without {cost['without']:.2f} us "
+          "(best of 3, alternating)")
+    # the lines train.RunLog.answers writes for these answers (the last round was "without": one more "with")
+    gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
+    gen.outbox.clear()
+    gen.admit()
+    while gen.inflight:
+        gen.step()
+    samples = [item for kind, item in gen.outbox if kind == "sample"]
+    size = sum(len(json.dumps(dict(sample_id=s["sample_id"], group_id=s["group_id"], prompt_id=s["prompt_id"],
+                                   tokens=len(s["token_ids"]), fate="consumed", step=1, t=time.time(),
+                                   **s["provenance"]))) + 1 for s in samples)
+    tokens = sum(len(s["token_ids"]) for s in samples)
+    print(f"provenance ({len(samples)} answers, median of {args.rounds - 1} rounds each): with {w:.0f} tok/s, "
+          f"without {wo:.0f} tok/s -> {w / wo:.3f}x; answers.jsonl {size / len(samples):.0f} bytes per answer, "
+          f"{size / tokens:.1f} bytes per generated token ({tokens / len(samples):.1f} tokens per answer)")
+    return w / wo
+
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -156,9 +224,12 @@ if __name__ == "__main__":
     p.add_argument("--prompts", type=int, default=16, help="prompts for the generation benchmark (x8 answers each)")
     p.add_argument("--gen-device", default="auto")
     p.add_argument("--train-device", default="auto")
-    p.add_argument("--only", choices=["sync", "generate"], default=None, help="run one benchmark")
+    p.add_argument("--only", choices=["sync", "generate", "provenance"], default=None,
+                   help="run one benchmark (provenance runs only when asked)")
     args = p.parse_args()
-    if args.only != "generate":
+    if args.only == "provenance":
+        bench_provenance(args)
+    if args.only in (None, "sync"):
         bench_sync(args)
-    if args.only != "sync":
+    if args.only in (None, "generate"):
         bench_generate(args)

@@ -101,19 +101,35 @@ class Rollout:
         self.attempt = 0  # bumped each time the request is re-submitted to vLLM
         self.submitted = time.time()
         self.recomputed = 0  # tokens whose KV was rebuilt under newer weights
+        # provenance (answers.jsonl), run-length encoded: one entry per run of engine
+        # steps with the same weights, not one per token (~0.4 KB per answer in answers.jsonl)
+        self.segments = []  # [t0, t1, version, n_tokens, stale]: consecutive steps that wrote tokens
+        self.prefills = []  # [t0, t1, version, n_tokens, "prompt" | "recompute"]: steps that wrote KV of a prefix
+        self.discarded = []  # [t, n_tokens, segments]: attempts thrown away (discard)
+        self.last_step = None  # engine step that wrote the last token, to know when a run breaks
 
     @property
     def request_id(self):
         return f"{self.sample_id}.{self.attempt}"
 
-    def record(self, token_ids, logprobs, version):
+    def record(self, token_ids, logprobs, version, step, t0, t1):
+        """Tokens of engine step `step` (which ran from t0 to t1) under `version`."""
         if self.kv_version is None:  # this step was the (unchunked) prefill
             self.kv_version = version
+            kind = "recompute" if self.tokens else "prompt"
+            self.prefills.append([t0, t1, version, len(self.prompt_ids) + len(self.tokens), kind])
+        stale = self.kv_version < version
         for tok, lp in zip(token_ids, logprobs):
             self.tokens.append(tok)
             self.logprobs.append(lp)
             self.versions.append(version)
-            self.stale.append(self.kv_version < version)
+            self.stale.append(stale)
+        seg = self.segments[-1] if self.segments else None
+        if seg and self.last_step == step - 1 and seg[2] == version and seg[4] == stale:
+            seg[1], seg[3] = t1, seg[3] + len(token_ids)  # the run goes on: a few compares per token
+        else:
+            self.segments.append([t0, t1, version, len(token_ids), stale])
+        self.last_step = step
 
     def to_sample(self, finish_reason):
         """The sample as it crosses the queue: numpy arrays, which pickle through the
@@ -122,6 +138,7 @@ class Rollout:
         receiver fetches over a socket: ~2 ms per sample of five small tensors,
         against 0.2 ms pickled (measured), and the trainer waited on it every step."""
         import numpy as np
+        finished = time.time()
         return dict(
             sample_id=self.sample_id, prompt_id=self.prompt_id, group_id=self.group_id,
             prompt_ids=np.array(self.prompt_ids, dtype=np.int32),
@@ -130,13 +147,16 @@ class Rollout:
             versions=np.array(self.versions, dtype=np.int32),
             stale=np.array(self.stale, dtype=bool),
             recomputed=self.recomputed, finish_reason=finish_reason,
-            submitted=self.submitted, finished=time.time(),
+            submitted=self.submitted, finished=finished,
+            provenance=dict(admitted=self.submitted, prompt_len=len(self.prompt_ids), segments=self.segments,
+                            prefills=self.prefills, discarded=self.discarded, finished=finished),
         )
 
     def restart(self):
-        """Forget the partial answer (the discard regime)."""
+        """Forget the partial answer (the discard regime); its provenance keeps what was thrown away."""
+        self.discarded.append([time.time(), len(self.tokens), self.segments])
         self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
-        self.kv_version = None
+        self.segments, self.kv_version, self.last_step = [], None, None
 
 # -----------------------------------------------------------------------------
 # the engine, driven step by step
@@ -237,6 +257,7 @@ class Generator:
         self.kv_answers = min(cfg["max_num_seqs"], kv_capacity(engine, cfg["max_model_len"])[0])
         watch_preemptions(engine, self.preempted)
         self.activity = None
+        self.steps = 0  # engine steps so far: a token's step number tells runs of steps apart
         self.eval_out = {}  # eval request id -> token ids (None while running)
 
     def set_activity(self, what):
@@ -252,6 +273,12 @@ class Generator:
         self.stats["preempted"] += 1
         if request_id in self.inflight:
             self.inflight[request_id].kv_version = None  # Rollout.record sets it at the rebuild
+
+    def mark(self, kind, t0, t1, **more):
+        """A moment on the timeline (events.jsonl) that is not an activity: a weight
+        load from receive to loaded ("load", version = the new one), an evaluation ("eval")."""
+        self.outbox.append(("event", dict(t=t1, proc="generator", mark=kind, t0=t0, t1=t1, version=self.version,
+                                          **more)))
 
     # -- what regimes call
 
@@ -273,9 +300,11 @@ class Generator:
         self.set_activity("loading")
         t0 = time.time()
         self.engine.collective_rpc("receive_weights", args=(version, specs))
+        t1 = time.time()
         self.version = version
         self.stats["loads"] += 1
-        self.stats["load_s"] = self.stats.get("load_s", 0.0) + time.time() - t0
+        self.stats["load_s"] = self.stats.get("load_s", 0.0) + t1 - t0
+        self.mark("load", t0, t1)
 
     # -- the loop's parts
 
@@ -286,7 +315,7 @@ class Generator:
         (--pool pace) still count: their places are not admitted again, so each
         rejection shrinks the backlog for good. (Giving them back was tried: the
         generator refilled the pool to the bound every step and PACE then rejected
-        56 of every 72 groups, most of them fresh; README, PACE.)"""
+        56 of every 72 groups, most of them fresh; RESULTS.md, PACE.)"""
         versions = self.version - self.start_version + self.cfg["max_lag"] + 1
         budget = self.start_group + versions * self.cfg["prompts_per_step"]
         return (self.admitting and self.next_group < budget and len(self.outbox) < self.cfg["queue_size"]
@@ -303,7 +332,9 @@ class Generator:
     def step(self):
         """One engine step; finished answers go to the outbox."""
         t0 = time.time()
-        for out in self.engine.step():
+        outputs = self.engine.step()
+        t1, self.steps = time.time(), self.steps + 1
+        for out in outputs:
             if out.request_id in self.eval_out:
                 self.eval_out[out.request_id] = list(out.outputs[0].token_ids)
                 continue
@@ -312,7 +343,7 @@ class Generator:
                 continue
             c = out.outputs[0]
             lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
-            r.record(c.token_ids, lps, self.version)
+            r.record(c.token_ids, lps, self.version, self.steps, t0, t1)
             self.stats["gen_tokens"] += len(c.token_ids)
             if out.finished:
                 del self.inflight[out.request_id]
@@ -329,6 +360,7 @@ class Generator:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         self.set_activity("evaluating")
+        t0 = time.time()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         ids = [f"eval{self.version}-{i}" for i in range(len(prompts))]
@@ -344,6 +376,7 @@ class Generator:
                 self.step()
                 bar.update(sum(v is not None for v in self.eval_out.values()) - bar.n)
         results, self.eval_out = [self.eval_out[i] for i in ids], {}
+        self.mark("eval", t0, time.time(), n=len(ids))
         return results
 
 # -----------------------------------------------------------------------------

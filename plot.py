@@ -1,22 +1,57 @@
 """
-Plots of a run (or several, to compare regimes): reward and eval accuracy against
-wall-clock, and the timeline of what each process was doing when.
+Plots of a run (or several, to compare regimes), drawn from its run directory.
 
-    python plot.py out/run-a out/run-b ...     # writes out/run-a/run.png (and one per run)
+    python plot.py out/run-a out/run-b ...           # reward, accuracy and the process timeline -> RUN/run.png
+    python plot.py --answers RUN [--window T0 T1]    # half-written answers around a weight switch -> RUN/answers.png
+    python plot.py --answers RUN_sync RUN_drain RUN_discard RUN_stale RUN_recompute --out regimes.png
+
+The answers figure (answers.jsonl + events.jsonl): one lane per answer, x =
+wall-clock. Each token is drawn at the engine step that sampled it, coloured by the
+weight version that sampled it; hatched where it read KV written by older weights
+(stale); faded and crossed where it was later thrown away (discard); a black block
+where the answer's KV was rebuilt under new weights (recompute); a dotted line
+while the finished answer waited in the trainer's pool; a red band at each weight
+load. Under the answers, the trainer's and the generator's lanes on the same axis.
+
+Which answers get a lane (the rule): the switch shown is the first weight push of
+version 2 or later (version 1 is the start, where every answer began at once)
+when some answer was half-written (admitted before the trainer sent the weights,
+finished after); if no push has one (sync never does), the first push of version
+>= 2. Lanes go first to the answers half-written at that push, then to the other
+answers that lived in the window from the load before to the load after, earliest
+admitted first, at most --lanes. x = seconds from that push (drain loads the
+weights only once its answers are done; the other regimes load them at once).
+With --window T0 T1 (seconds from the start of the run, as in run.png) the lanes
+are the answers alive in that window instead, and x counts from the run's start.
 """
 
+import argparse
 import json
 import os
-import sys
 
 COLOURS = {"starting": "white", "generating": "tab:green", "draining": "tab:orange", "loading": "tab:red", "idle": "lightgrey",
            "evaluating": "tab:purple", "training": "tab:blue", "syncing": "tab:red", "waiting": "lightgrey",
            "saving": "tab:brown"}
+# one colour per weight version (cycled): tokens of v and v+1 must differ at a glance,
+# and from the process colours above
+VERSION_COLOURS = ["#E6A700", "#9E6BC8", "#2AA198", "#F06EAA", "#B5B528", "#56B4E9"]
 
 
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def activity_spans(events):
+    """(proc, what, t0, t1) for each stretch of one activity; marks are not activities.
+    A process's last activity lasts until the last event of the run."""
+    acts = [e for e in events if "what" in e]
+    end = max([e["t"] for e in events] or [0])
+    out = []
+    for proc in sorted({e["proc"] for e in acts}):
+        mine = [e for e in acts if e["proc"] == proc]
+        out += [(proc, e["what"], e["t"], nxt["t"] if nxt else end) for e, nxt in zip(mine, mine[1:] + [None])]
+    return out
 
 
 def plot_run(run):
@@ -36,12 +71,7 @@ def plot_run(run):
     ax.set_ylabel("reward / accuracy")
     ax.set_title(os.path.basename(os.path.normpath(run)))
     ax.legend()
-    for lane, proc in enumerate(["trainer", "generator"]):
-        mine = [e for e in events if e["proc"] == proc]
-        for e, nxt in zip(mine, mine[1:] + [None]):
-            end = nxt["t"] if nxt else max(e["t"] for e in events)
-            tl.barh(lane, end - e["t"], left=e["t"] - t0, color=COLOURS.get(e["what"], "black"), height=0.8)
-    tl.set_yticks([0, 1], ["trainer", "generator"])
+    draw_processes(tl, events, t0)
     tl.set_xlabel("wall-clock (s)")
     tl.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()], labels=list(COLOURS),
               ncol=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45))
@@ -53,6 +83,171 @@ def plot_run(run):
     return path
 
 
+def draw_processes(ax, events, x0):
+    """The trainer's and the generator's activities, one lane each (lane 0 at the bottom)."""
+    for proc, what, t0, t1 in activity_spans(events):
+        lane = ["trainer", "generator"].index(proc)
+        ax.barh(lane, t1 - t0, left=t0 - x0, color=COLOURS.get(what, "black"), height=0.8)
+    ax.set_yticks([0, 1], ["trainer", "generator"])
+
+# -----------------------------------------------------------------------------
+# the answers figure
+
+
+def select_answers(run, window=None, lanes=24):
+    """What the answers figure of `run` shows, chosen by the module docstring's rule:
+    dict(answers=[answers.jsonl records, one per lane, top first], switch=the load
+    mark, with "push" = when the trainer sent it (None with a window), alive=how many
+    answers were half-written at the push (or alive in the window), x0=the time x
+    counts from, xlim, loads, events, regime)."""
+    answers = read_jsonl(os.path.join(run, "answers.jsonl"))
+    events = read_jsonl(os.path.join(run, "events.jsonl"))
+    with open(os.path.join(run, "config.json")) as f:
+        regime = json.load(f)["regime"]
+    loads = sorted((e for e in events if e.get("mark") == "load"), key=lambda e: e["t0"])
+    start = min(e["t"] for e in events)
+    if window:
+        lo, hi = start + window[0], start + window[1]
+        alive = [a for a in answers if a["admitted"] < hi and a["t"] > lo]
+        switch, x0, chosen = None, start, sorted(alive, key=lambda a: a["admitted"])[:lanes]
+        alive = len(alive)
+    else:
+        later = [e for e in loads if e["version"] >= 2] or loads
+        if not later:
+            raise SystemExit(f"{run}: no weight load recorded; nothing to draw")
+
+        syncs = [e["t"] for e in events if e.get("what") == "syncing"]
+
+        def push(e):  # when the trainer sent the weights e loaded (drain loads them only later)
+            return max([t for t in syncs if t <= e["t0"]] or [e["t0"]])
+
+        def across(e):  # half-written when the weights were sent
+            return [a for a in answers if a["admitted"] < push(e) < a["finished"]]
+        switch = next((e for e in later if across(e)), later[0])
+        i = loads.index(switch)
+        lo = loads[i - 1]["t0"] if i > 0 else start
+        hi = loads[i + 1]["t1"] if i + 1 < len(loads) else max(a["t"] for a in answers)
+        first = across(switch)
+        alive = len(first)
+        rest = [a for a in answers if a not in first and a["admitted"] < hi and a["t"] > lo]
+        chosen = (sorted(first, key=lambda a: a["admitted"]) + sorted(rest, key=lambda a: a["admitted"]))[:lanes]
+        x0 = switch["push"] = push(switch)
+        chosen.sort(key=lambda a: a["admitted"])
+    if chosen:
+        lo = min(lo, min(a["admitted"] for a in chosen))
+        hi = max(hi, max(a["t"] for a in chosen))
+    pad = 0.02 * (hi - lo)
+    return dict(answers=chosen, alive=alive, switch=switch, x0=x0, xlim=(lo - pad - x0, hi + pad - x0), loads=loads,
+                events=events, regime=regime, run=run)
+
+
+def draw_answers(ax, pax, sel):
+    """One panel: answer lanes on ax, the two process lanes on pax. Returns the set
+    of versions drawn (for the legend)."""
+    x0, n = sel["x0"], len(sel["answers"])
+    versions = set()
+    for lane, a in enumerate(sel["answers"]):
+        y = n - 1 - lane  # the first admitted on top
+
+        def bars(segments, **kw):
+            for t0, t1, v, _, stale in segments:
+                versions.add(v)
+                ax.barh(y, t1 - t0, left=t0 - x0, height=0.7, color=VERSION_COLOURS[v % len(VERSION_COLOURS)],
+                        hatch="////" if stale else None, edgecolor="black", linewidth=0, **kw)
+        ax.plot([a["admitted"] - x0, a["finished"] - x0], [y, y], color="lightgrey", lw=1, zorder=0)
+        for _, _, segments in a["discarded"]:
+            bars(segments, alpha=0.35)
+            ax.plot([s[1] - x0 for s in segments[-1:]], [y], "x", color="black", ms=5)
+        for t0, t1, _, _, kind in a["prefills"]:
+            if kind == "recompute":
+                ax.barh(y, t1 - t0, left=t0 - x0, height=0.9, color="black")
+        bars(a["segments"])
+        ax.plot([a["finished"] - x0, a["t"] - x0], [y, y], ":", color="black", lw=1)
+        ax.plot([a["t"] - x0], [y], "|" if a["fate"] == "consumed" else "X", ms=7,
+                color="black" if a["fate"] == "consumed" else "red")
+    for ax_ in (ax, pax):
+        for e in sel["loads"]:
+            ax_.axvspan(e["t0"] - x0, e["t1"] - x0, color="red", alpha=0.25, lw=0)
+            ax_.axvline(e["t0"] - x0, color="red", lw=0.8)
+    if sel["switch"]:
+        for ax_ in (ax, pax):
+            ax_.axvline(sel["switch"]["push"] - x0, color="black", ls="--", lw=1)
+    for e in sel["loads"]:
+        if sel["xlim"][0] <= e["t0"] - x0 <= sel["xlim"][1]:
+            ax.text(e["t0"] - x0, n - 0.3, f" v{e['version']}", color="red", fontsize=8, va="bottom")
+    ax.set_yticks([])
+    ax.set_ylim(-0.7, n + 0.6)
+    ax.set_ylabel(f"{n} answers")
+    draw_processes(pax, sel["events"], x0)
+    ax.set_xlim(*sel["xlim"])
+    return versions
+
+
+def legend_handles(versions):
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    h = [Patch(color=VERSION_COLOURS[v % len(VERSION_COLOURS)], label=f"token sampled by weights v{v}")
+         for v in sorted(versions)]
+    h += [Patch(facecolor="white", edgecolor="black", hatch="////", label="token read KV written by older weights (stale)"),
+          Patch(facecolor="grey", alpha=0.35, label="tokens thrown away, answer restarted (discard; x = abort)"),
+          Patch(color="black", label="KV of prompt + partial answer rebuilt (recompute)"),
+          Line2D([], [], color="lightgrey", label="alive, no token being written (queued, paused)"),
+          Line2D([], [], ls=":", color="black", marker="|", label="finished, waiting in the pool | consumed by a step"),
+          Line2D([], [], ls="", color="red", marker="X", label="rejected by the pool (PACE)"),
+          Patch(color="red", alpha=0.25, label="generator loading new weights"),
+          Line2D([], [], ls="--", color="black", label="the push shown: the trainer sends new weights")]
+    h += [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k], label=f"process: {k}")
+          for k in ("generating", "draining", "idle", "training", "syncing", "evaluating")]
+    return h
+
+
+def plot_answers(runs, window=None, lanes=24, out=None):
+    """The answers figure of one run, or one panel per run sharing the time scale.
+    Returns (path, selections): what each panel shows, for tests and captions."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sels = [select_answers(r, window, lanes) for r in runs]
+    n = len(sels)
+    ratios = [r for s in sels for r in (max(4, len(s["answers"])), 2.2)]
+    fig, axes = plt.subplots(2 * n, 1, figsize=(12, 0.2 * sum(ratios) + 2.2), sharex=True,
+                             gridspec_kw=dict(height_ratios=ratios, hspace=0.4))
+    versions = set()
+    for i, s in enumerate(sels):
+        ax, pax = axes[2 * i], axes[2 * i + 1]
+        versions |= draw_answers(ax, pax, s)
+        name = os.path.basename(os.path.normpath(s["run"]))
+        what = (f"{s['alive']} answer{'s' * (s['alive'] != 1)} half-written when v{s['switch']['version']} was sent"
+                if s["switch"]
+                else f"answers alive in {window[0]:g}-{window[1]:g} s")
+        ax.set_title(f"{s['regime']}: {what}   ({name})", fontsize=10, loc="left")
+    lo = min(s["xlim"][0] for s in sels)
+    hi = max(s["xlim"][1] for s in sels)
+    axes[-1].set_xlim(lo, hi)
+    axes[-1].set_xlabel("seconds from the start of the run" if window else
+                        "seconds from the push shown (0 = the trainer sends new weights)")
+    fig.legend(handles=legend_handles(versions), loc="lower center", ncol=3, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.subplots_adjust(left=0.08, right=0.98, top=1 - 0.5 / fig.get_figheight(), bottom=1.9 / fig.get_figheight())
+    path = out or os.path.join(runs[0], "answers.png" if n == 1 else "answers_compare.png")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path, sels
+
+
 if __name__ == "__main__":
-    for run in sys.argv[1:] or sys.exit(__doc__):
-        print(plot_run(run))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("runs", nargs="+", help="run directories (out/<run>)")
+    p.add_argument("--answers", action="store_true", help="the answers figure (one panel per run) instead of run.png")
+    p.add_argument("--window", nargs=2, type=float, metavar=("T0", "T1"),
+                   help="answers alive between T0 and T1 s from the run's start (default: around a weight switch)")
+    p.add_argument("--lanes", type=int, default=24, help="at most this many answers per panel")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN/answers.png, or the first RUN's answers_compare.png)")
+    args = p.parse_args()
+    if args.answers:
+        print(plot_answers(args.runs, args.window, args.lanes, args.out)[0])
+    else:
+        for run in args.runs:
+            print(plot_run(run))

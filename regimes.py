@@ -83,10 +83,11 @@ class Discard:
 
     def switch(self, gen, version, specs):
         aborted = gen.abort_all()
-        gen.load_weights(version, specs)
-        for r in aborted:
+        for r in aborted:  # thrown away now, before the load (the provenance notes when)
             gen.stats["discarded_tokens"] += len(r.tokens)
             r.restart()
+        gen.load_weights(version, specs)
+        for r in aborted:
             gen.submit(r)
         return True
 

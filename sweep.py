@@ -1,5 +1,5 @@
 """
-Runs train.py over regimes x pools x seeds and prints the README's tables: start
+Runs train.py over regimes x pools x seeds and prints the tables in RESULTS.md: start
 and end eval accuracy, wall time, lag, stale tokens and PACE's rejected share.
 
     python sweep.py                                   # 5 regimes x 3 seeds, fifo (~50 min on 2 cores)

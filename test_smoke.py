@@ -58,8 +58,17 @@ def check_run(run, regime, steps):
     assert [m["version"] for m in metrics] == list(range(steps))
     events = read(run, "events.jsonl")
     assert {e["proc"] for e in events} == {"trainer", "generator"}
-    assert {e["what"] for e in events} <= ACTIVITIES
-    assert any(e["what"] == "loading" for e in events)
+    assert {e["what"] for e in events if "what" in e} <= ACTIVITIES  # the others are marks (plot.py)
+    assert any(e.get("what") == "loading" for e in events)
+    loads = [e["version"] for e in events if e.get("mark") == "load"]  # the last may not have been read
+    assert loads and loads == list(range(1, len(loads) + 1))
+    # the wasted-work ledger and answers.jsonl agree with metrics.jsonl
+    led = json.load(open(os.path.join(run, "ledger.json")))["tokens"]
+    answers = read(run, "answers.jsonl")
+    assert len(answers) == 3 * 4 * 4 and all(a["fate"] == "consumed" for a in answers)
+    assert sum(a["tokens"] for a in answers) == led["trained"] == sum(m["trained_tokens"] for m in metrics)
+    assert led["generated"] == led["trained"] + led["discarded"] + led["rejected"] + led["left_over"]
+    assert led["left_over"] >= 0
     ckpt = os.path.join(run, "ckpt")
     for f in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
         assert os.path.exists(os.path.join(ckpt, f)), f

@@ -438,6 +438,7 @@ class RunLog:
     def __init__(self, out):
         self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")
         self.events = open(os.path.join(out, "events.jsonl"), "a")
+        self.answers_f = open(os.path.join(out, "answers.jsonl"), "a")
         self.activity = None
 
     def event(self, e):
@@ -452,6 +453,55 @@ class RunLog:
     def metric(self, m):
         self.metrics.write(json.dumps(m) + "\n")
         self.metrics.flush()
+
+    def answers(self, consumed, rejected, step):
+        """answers.jsonl: one line per answer the pool let go of, with its provenance
+        (generator.Rollout) and its fate: consumed by this step or rejected (PACE)."""
+        t = time.time()
+        lines = [json.dumps(dict(sample_id=s["sample_id"], group_id=s["group_id"], prompt_id=s["prompt_id"],
+                                 tokens=len(s["token_ids"]), fate=fate, step=step, t=t, **s["provenance"]))
+                 for groups, fate in ((consumed, "consumed"), (rejected, "rejected")) for g in groups for s in g]
+        self.answers_f.write("".join(line + "\n" for line in lines))
+        self.answers_f.flush()
+
+
+def write_ledger(cfg, t_start, start_step, gen_stats):
+    """The wasted-work ledger of this session (from t_start): where the generated
+    tokens went, and each process's wall-clock by activity (events.jsonl), as shares.
+    generated = trained + discarded + rejected + left over (in the pool or in flight
+    at the end); recomputed tokens were prefilled again, not generated."""
+    from plot import activity_spans, read_jsonl
+    steps = [m for m in read_jsonl(os.path.join(cfg["out"], "metrics.jsonl")) if m["step"] > start_step
+             and "trained_tokens" in m]
+    tok = dict(generated=gen_stats.get("gen_tokens", 0), trained=sum(m["trained_tokens"] for m in steps),
+               discarded=gen_stats.get("discarded_tokens", 0),
+               rejected=sum(m.get("rejected_tokens", 0) for m in steps))
+    tok["left_over"] = tok["generated"] - tok["trained"] - tok["discarded"] - tok["rejected"]
+    tok["recomputed"] = gen_stats.get("recomputed_tokens", 0)
+    events = [e for e in read_jsonl(os.path.join(cfg["out"], "events.jsonl")) if e["t"] >= t_start]
+    # shares of the time after start-up (the engine's start dominates short CPU runs)
+    ready = min([e["t"] for e in events if e["proc"] == "trainer" and e.get("what", "starting") != "starting"]
+                or [t_start])
+    end = max([e["t"] for e in events] or [t_start])
+    secs = {}
+    for proc, what, t0, t1 in activity_spans(events):
+        if what not in ("starting", "done") and min(t1, end) > max(t0, ready):
+            secs.setdefault(proc, {}).setdefault(what, 0.0)
+            secs[proc][what] += min(t1, end) - max(t0, ready)
+    total = end - ready
+    led = dict(tokens=tok, seconds=secs, total_s=total, startup_s=ready - t_start)
+    with open(os.path.join(cfg["out"], "ledger.json"), "w") as f:
+        json.dump(led, f, indent=1)
+    g = max(1, tok["generated"])
+    print(f"wasted-work ledger ({cfg['out']}/ledger.json): {tok['generated']:,} tokens generated = "
+          + " + ".join(f"{tok[k]:,} {k.replace('_', ' ')} ({100 * tok[k] / g:.1f}%)"
+                       for k in ("trained", "discarded", "rejected", "left_over"))
+          + f"; {tok['recomputed']:,} prefilled again (recompute)")
+    for proc, d in secs.items():
+        shares = sorted(d.items(), key=lambda x: -x[1])
+        print(f"  {proc:9s} {total:.0f} s after {ready - t_start:.0f} s of start-up: "
+              + ", ".join(f"{w} {100 * s / max(total, 1e-9):.0f}%" for w, s in shares))
+    return led
 
 
 LOGS = ("metrics.jsonl", "events.jsonl")
@@ -633,6 +683,7 @@ def main(argv=None):
                                                           cfg["pace_lambda"], target)
             else:
                 batch_groups, rejected = take_groups_fifo(pool, cfg["prompts_per_step"]), []
+            log.answers(batch_groups, rejected, step)
             batch = [s for g in batch_groups for s in g]
 
             # 2. rewards and group-normalised advantages
@@ -701,6 +752,7 @@ def main(argv=None):
     finally:
         gen.stop()
     print(f"done in {time.time() - t_start:.0f}s: {cfg['out']}")
+    write_ledger(cfg, t_start, start_step, gen_stats)
     if not cfg["no_plot"]:
         from plot import plot_run
         print("plot:", plot_run(cfg["out"]))

@@ -578,6 +578,7 @@ def cut_logs(out, state):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return max([json.loads(line).get("wall_s", 0.0) for line in f if line.strip()] or [0.0])
 
+
 def load_trainer_state(run):
     """What save_checkpoint wrote beside the model. map_location: the optimizer state
     may come from another device layout (saved on cuda:1, resumed on cuda:0 or a CPU);
@@ -656,7 +657,7 @@ def main(argv=None):
 
     def evaluate():
         log.trainer("evaluating")
-        waves = 1 + len(eval_prompt_ids) // cfg["max_num_seqs"]  # the engine runs max_num_seqs at a time
+        waves = 1 + len(eval_prompt_ids) // gen.engine_info["admit_at_once"]  # what the engine holds at once
         token_ids, other = gen.evaluate(eval_prompt_ids, cfg["max_new_tokens"], stall_bound(cfg, gen_stats) * waves)
         for m in other:
             intake(m)

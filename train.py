@@ -201,9 +201,11 @@ def stall_bound(cfg, gen_stats):
     """Seconds a live generator may send nothing while the trainer waits for it before
     the trainer calls it stuck (--stall-s overrides). Every answer ends within
     --max-new-tokens engine steps of its start, so: 30 s (a busy machine's hiccups)
-    + 3 x max_new_tokens x the slowest engine step measured so far (1 s assumed
-    before the first answer brings a measurement). Tiny model on 2 CPU cores, 96
-    tokens: about 30 + 3 x 96 x 0.1 = 60 s. Evaluations allow one bound per wave
+    + 3 x max_new_tokens x the slowest of the generator's last 256 engine steps
+    (1 s assumed before the first answer brings a measurement). It is logged as
+    stall_bound_s: tiny model, 96 tokens, 2 busy cores: ~1460 s while the engine's
+    ~5 s warm-up steps are in the window (14 steps of 4 x 4 answers), then 78-93 s.
+    Evaluations allow one bound per wave
     of max_num_seqs prompts; a weight push, one bound (drain holds it until the
     answers in flight finish)."""
     if cfg.get("stall_s"):

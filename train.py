@@ -205,8 +205,8 @@ def stall_bound(cfg, gen_stats):
     (1 s assumed before the first answer brings a measurement). It is logged as
     stall_bound_s: tiny model, 96 tokens, 2 busy cores: ~1460 s while the engine's
     ~5 s warm-up steps are in the window (14 steps of 4 x 4 answers), then 78-93 s.
-    Evaluations allow one bound per wave
-    of max_num_seqs prompts; a weight push, one bound (drain holds it until the
+    Evaluations allow one bound per wave of as many prompts as the engine holds at
+    once (generator.kv_capacity); a weight push, one bound (drain holds it until the
     answers in flight finish)."""
     if cfg.get("stall_s"):
         return cfg["stall_s"]

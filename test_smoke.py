@@ -138,3 +138,16 @@ def test_killed_generator_stops_trainer(tmp_path):
     code = proc.wait(timeout=30)
     assert code != 0 and time.time() - t0 < 30
     assert "generator process" in proc.stderr.read()
+
+
+def test_shipped_tiny_model_is_the_recipes():
+    """weights/tiny is what tiny.py's recipe built (its hash), with the tokenizer the
+    recipe builds now: change the recipe or the synth code and this fails until the
+    weights are shipped again (python tiny.py --rebuild, then copy the build)."""
+    import json
+    from transformers import AutoTokenizer
+    import tiny
+    with open(os.path.join("weights", "tiny", "recipe.json")) as f:
+        assert json.load(f)["recipe_hash"] == tiny.recipe_hash(), "weights/tiny is from another recipe: ship a new build"
+    assert tiny.tiny_model_dir() == tiny.shipped()
+    assert AutoTokenizer.from_pretrained(tiny.shipped()).get_vocab() == tiny.build_tokenizer().get_vocab()

@@ -19,6 +19,7 @@ schema as the Hub dataset; tests use the small files in fixtures/.
 import json
 import os
 import random
+import re
 
 HUB = {  # dataset -> split -> (hub id, config, hub split)
     "gsm8k": {"train": ("openai/gsm8k", "main", "train"), "test": ("openai/gsm8k", "main", "test")},
@@ -56,9 +57,27 @@ def synth_problem(rng, steps):
     return {"question": question, "answer": str(x), "solution": solution}
 
 
+def steps_range(steps):
+    """--synth-steps: 'S' (every problem S operations) or 'A-B' (A to B operations,
+    long-tailed: P(s) proportional to 1/s, so most problems are short and a few long,
+    like MATH's answers next to GSM8K's). Returns (A, B); raises ValueError."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", str(steps))
+    if not m:
+        raise ValueError(f"--synth-steps {steps}: expected a number of operations (2) or a range (1-12)")
+    lo, hi = int(m[1]), int(m[2] or m[1])
+    if not 1 <= lo <= hi <= 16:
+        raise ValueError(f"--synth-steps {steps}: operations must satisfy 1 <= A <= B <= 16")
+    return lo, hi
+
+
 def synth_split(split, n, steps):
-    rng = random.Random(SYNTH_SEEDS[split] * 1000 + steps)
-    return [synth_problem(rng, steps) for _ in range(n)]
+    lo, hi = steps_range(steps)
+    if lo == hi:  # the seed of the fixed-length splits since the start: their problems never change
+        rng = random.Random(SYNTH_SEEDS[split] * 1000 + lo)
+        return [synth_problem(rng, lo) for _ in range(n)]
+    rng = random.Random(f"{SYNTH_SEEDS[split]}:{lo}-{hi}")
+    sizes, weights = range(lo, hi + 1), [1 / s for s in range(lo, hi + 1)]
+    return [synth_problem(rng, rng.choices(sizes, weights)[0]) for _ in range(n)]
 
 # -----------------------------------------------------------------------------
 # hub datasets

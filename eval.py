@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="which test split")
     parser.add_argument("--n", type=int, default=200, help="number of test problems (the first n)")
     parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
-    parser.add_argument("--synth-steps", type=int, default=2, help="operations per synth problem")
+    parser.add_argument("--synth-steps", default="2", help="operations per synth problem: S or a long-tailed range A-B")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 for synth, 1024 otherwise")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
     args = parser.parse_args()

@@ -1,103 +1,331 @@
 """
-Runs train.py over regimes x pools x seeds and prints the tables in RESULTS.md: start
-and end eval accuracy, wall time, lag, stale tokens and PACE's rejected share.
+Runs train.py over regimes x pools x seeds for one preset, then writes the tables and
+figures in RESULTS.md: eval accuracy against wall-clock, time to a target accuracy,
+steps per minute, stale tokens, lag, and where each process's time went.
 
-    python sweep.py                                   # 5 regimes x 3 seeds, fifo (~50 min on 2 cores)
-    python sweep.py --regimes drain discard stale recompute --pools pace
-    python sweep.py --table-only                      # just print what is in out/sweep
+    python sweep.py default             # 5 regimes x 3 seeds of plain train.py (~2.5 min a run, ~40 min on 2 cores)
+    python sweep.py long                # 5 x 3 of `train.py --preset long` (~3-5 min a run, ~1 h),
+                                        # then 5 x 1 of default for the contrast (~13 min)
+    python sweep.py long --regimes stale recompute --pools fifo pace --seeds 0
+    python sweep.py long --table-only   # run nothing, write the tables and figures of what finished
+    python sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
 
-Each run goes to out/sweep/<regime>-<pool>-s<seed>, and the accuracy-vs-wall-clock
-curves to out/sweep/acc_vs_wall-<pools>.png. A run whose metrics already
-reach its last step is skipped, so an interrupted sweep picks up where it stopped.
-Extra arguments after `--` go to every train.py run.
+Runs go to <out>/<preset>/<regime>-<pool>-s<seed> (+ .log), <out> = out/sweep, one
+at a time, seed by seed (a sweep cut short still has every regime at the first
+seeds). A finished run (metrics reach its last step, ledger.json written) is
+skipped; an unfinished one starts over, so an interrupted sweep picks up where it
+stopped. `long` runs the default preset after its own runs, over --contrast-seeds,
+for the contrast: what changes when answers are long.
+
+What it writes (and prints):
+    <out>/<preset>/table.md     one row per regime: mean ± std over seeds (sample std, n-1)
+    <out>/<preset>/runs.md      one row per run
+    <out>/<preset>/acc_vs_wall.png, time_share.png
+    <out>/contrast.md, contrast.png   default vs long: every finished run of each on disk (first
+                                      of --pools), whenever both presets have finished runs
+
+Clocks: a run's wall_s (metrics.jsonl) counts from the trainer's "starting" event,
+taken after its model is loaded and just before the generator starts, so it
+includes the generator's start-up (ledger.json's startup_s, ~10 s on a CPU) but
+not the trainer's imports and model load. An eval logged on a step row carries
+that step's wall_s, taken before the evaluation ran: the moment the weights it
+evaluates existed.
 """
 
 import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import time
+
+from plot import COLOURS as ACTIVITY_COLOURS, read_jsonl
+
+# Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
+# before the sweep: halfway from the start to the end of one pilot sync run of the preset's
+# task and lr (default: 0.578 -> 0.758; long: 0.414 -> 0.473, 256 eval problems; RESULTS.md)
+TARGETS = {"default": 0.67, "long": 0.44}
+
+REGIMES = ["sync", "drain", "discard", "stale", "recompute"]
+COLOURS = {"sync": "black", "drain": "tab:orange", "discard": "tab:red", "stale": "tab:blue", "recompute": "tab:green"}
+GENERATOR = ["generating", "draining", "loading", "evaluating", "idle"]  # the ledger's activities, stacked in this order
+TRAINER = ["training", "waiting", "syncing", "evaluating", "saving"]
+EST_S = {"default": 150, "long": 240}  # seconds a run takes on 2 cores, until a run of this sweep has finished
+PUBLISHED = [  # the published study's numbers, as reference rows of the contrast table
+    ("published study: GSM8K", "<1", "-", "-", "-", "-"),
+    ("published study: MATH", "38", "-", "-", "-", "-"),
+]
+
+
+def run_dir(out, preset, regime, pool, seed):
+    return os.path.join(out, preset, f"{regime}-{pool}-s{seed}")
 
 
 def summary(run):
-    """One row for a finished run, or None."""
-    path = os.path.join(run, "metrics.jsonl")
-    if not os.path.exists(path):
+    """The numbers of a finished run, or None (missing, unfinished, fewer than 2 evals)."""
+    if not all(os.path.exists(os.path.join(run, f)) for f in ("config.json", "metrics.jsonl", "ledger.json")):
         return None
     with open(os.path.join(run, "config.json")) as f:
         cfg = json.load(f)
-    with open(path) as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
     steps = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_acc" in r]
     if not steps or steps[-1]["step"] < cfg["steps"] or len(evals) < 2:
         return None
-    n = len(steps)
-    consumed = sum(r["trained_tokens"] for r in steps)
+    with open(os.path.join(run, "ledger.json")) as f:
+        ledger = json.load(f)
+    # steps per minute: from the start of step 1 (the trainer's first "waiting", after
+    # start-up and the step-0 eval) to the end of the last step, evals in between included
+    events = read_jsonl(os.path.join(run, "events.jsonl"))
+    t0 = min(e["t"] for e in events if e["proc"] == "trainer" and e.get("what") == "starting")  # wall_s = 0
+    first = min(e["t"] for e in events if e["proc"] == "trainer" and e.get("what") == "waiting") - t0
+    tok, gen, trn = ledger["tokens"], ledger["seconds"]["generator"], ledger["seconds"]["trainer"]
+    trained = sum(r["trained_tokens"] for r in steps)
     rejected = sum(r.get("rejected_tokens", 0) for r in steps)
-    return dict(regime=cfg["regime"], pool=cfg["pool"], seed=cfg["seed"],
-                acc0=evals[0]["eval_acc"], acc1=evals[-1]["eval_acc"], wall_s=evals[-1]["wall_s"],
-                lag=sum(r["lag_mean"] for r in steps) / n,
-                stale=sum(r["stale_token_frac"] * r["trained_tokens"] for r in steps) / consumed,
-                rejected=rejected / (consumed + rejected),
-                curve=[(r["wall_s"], r["eval_acc"]) for r in evals])
+    return dict(run=run, regime=cfg["regime"], pool=cfg["pool"], seed=cfg["seed"], cfg=cfg,
+                acc0=evals[0]["eval_acc"], acc1=evals[-1]["eval_acc"],
+                curve=[(r["wall_s"], r["eval_acc"]) for r in evals],
+                steps_per_min=len(steps) / ((steps[-1]["wall_s"] - first) / 60),
+                stale=sum(r["stale_token_frac"] * r["trained_tokens"] for r in steps) / trained,  # token-weighted
+                lag=statistics.mean(r["lag_mean"] for r in steps),
+                spanning=statistics.mean(r["spanning_frac"] for r in steps),
+                gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / sum(gen.values()),
+                discarded=tok["discarded"] / tok["generated"], recomputed=tok["recomputed"] / tok["generated"],
+                rejected=rejected / (trained + rejected),
+                gen_share={k: v / sum(gen.values()) for k, v in gen.items()},
+                trainer_share={k: v / sum(trn.values()) for k, v in trn.items()})
 
 
-def table(rows):
-    lines = ["| regime | pool | seed | eval acc start -> end | gain (points) | wall s | lag | stale tokens | rejected tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def time_to(curve, target):
+    """wall_s of the first eval at or above target, or None."""
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def mean_std(values, fmt):
+    """'m ± s' over seeds (sample std), or just the value for one seed."""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.mean(values))} ± {fmt.replace('+', '').format(statistics.stdev(values))}"
+
+
+def columns(rows, target):
+    """(header, value of one run, format) for both tables. None: the run never reached the target."""
+    cols = [("final eval pass@1", lambda r: r["acc1"], "{:.3f}"),
+            ("gain (points)", lambda r: 100 * (r["acc1"] - r["acc0"]), "{:+.1f}"),
+            (f"s to {target}" if target is not None else "s to target",
+             lambda r: None if target is None else time_to(r["curve"], target), "{:.0f}"),
+            ("steps/min", lambda r: r["steps_per_min"], "{:.1f}"),
+            ("stale tokens %", lambda r: 100 * r["stale"], "{:.1f}"),
+            ("lag", lambda r: r["lag"], "{:.2f}"),
+            ("spanning answers %", lambda r: 100 * r["spanning"], "{:.1f}"),
+            ("generator idle+draining %", lambda r: 100 * r["gen_idle"], "{:.1f}"),
+            ("discarded / generated %", lambda r: 100 * r["discarded"], "{:.1f}"),
+            ("recomputed / generated %", lambda r: 100 * r["recomputed"], "{:.1f}")]
+    if any(r["pool"] == "pace" for r in rows):
+        cols.append(("rejected tokens %", lambda r: 100 * r["rejected"], "{:.1f}"))
+    return cols
+
+
+def groups(rows):
+    """Runs by (regime, pool), regimes in the usual order."""
+    keys = sorted({(r["regime"], r["pool"]) for r in rows}, key=lambda k: (REGIMES.index(k[0]), k[1]))
+    return [(regime, pool, [r for r in rows if (r["regime"], r["pool"]) == (regime, pool)]) for regime, pool in keys]
+
+
+def markdown(header, lines):
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(line) + " |" for line in lines])
+
+
+def table(rows, target):
+    """One line per regime and pool: mean ± std over seeds."""
+    cols = columns(rows, target)
+    lines = []
+    for regime, pool, rs in groups(rows):
+        cells = [regime, pool, str(len(rs))]
+        for header, value, fmt in cols:
+            values = [value(r) for r in rs]
+            if header.startswith("s to"):  # over the seeds that got there
+                reached = [v for v in values if v is not None]
+                cells.append("-" if target is None else
+                             f"{mean_std(reached, fmt) if reached else '-'} ({len(reached)}/{len(rs)} reached)")
+            else:
+                cells.append(mean_std(values, fmt))
+        lines.append(cells)
+    return markdown(["regime", "pool", "seeds"] + [c[0] for c in cols], lines)
+
+
+def runs_table(rows, target):
+    """One line per run."""
+    cols = columns(rows, target)
+    lines = [[r["regime"], r["pool"], str(r["seed"])]
+             + ["-" if (v := value(r)) is None else fmt.format(v) for _, value, fmt in cols]
+             for _, _, rs in groups(rows) for r in sorted(rs, key=lambda r: r["seed"])]
+    return markdown(["regime", "pool", "seed"] + [c[0] for c in cols], lines)
+
+
+NOTES = """\
+- final eval pass@1: greedy, the run's last evaluation; gain: from its first (step 0)
+- s to target: wall_s of the first evaluation at or above the target (mean over the seeds that reached it)
+- steps/min: optimizer steps / minutes from the start of step 1 (after start-up and the step-0 eval) to the end of the last step, evaluations in between included
+- stale tokens: token-weighted share of trained tokens; lag, spanning answers: means of the steps' lag_mean, spanning_frac
+- generator idle+draining: share of the generator's time in ledger.json; discarded, recomputed: share of generated tokens (ledger.json)"""
+
+
+def setting(preset, rows):
+    """'long preset: synth 1-12 operations, tiny model, 3 seeds'"""
+    cfg = rows[0]["cfg"]
+    task = f"synth {cfg['synth_steps']} operations" if cfg["dataset"] == "synth" else cfg["dataset"]
+    n = len({r["seed"] for r in rows})
+    return f"{preset} preset: {task}, {os.path.basename(os.path.normpath(cfg['model']))} model, {n} seed{'s' * (n > 1)}"
+
+
+def answer_lengths(rows):
+    """Tokens of every answer a step trained on, over the runs (answers.jsonl), or the
+    steps' mean answer_len (metrics.jsonl) where a run has no answers.jsonl; and which."""
+    lengths, source = [], "answers"
     for r in rows:
-        lines.append(f"| {r['regime']} | {r['pool']} | {r['seed']} | {r['acc0']:.3f} -> {r['acc1']:.3f} | "
-                     f"{100 * (r['acc1'] - r['acc0']):+.1f} | {r['wall_s']:.0f} | {r['lag']:.2f} | "
-                     f"{100 * r['stale']:.1f}% | {100 * r['rejected']:.1f}% |")
-    return "\n".join(lines)
+        path = os.path.join(r["run"], "answers.jsonl")
+        if os.path.exists(path):
+            lengths += [a["tokens"] for a in read_jsonl(path) if a["fate"] == "consumed"]
+        else:
+            lengths += [m["answer_len"] for m in read_jsonl(os.path.join(r["run"], "metrics.jsonl")) if "answer_len" in m]
+            source = "step means"
+    return sorted(lengths), source
 
 
-def acc_at(curve, t):
-    """Eval accuracy of a run by wall-clock t: its last evaluation at or before t."""
-    return max((p for p in curve if p[0] <= t), default=curve[0])[1]
+def contrast_table(by_preset):
+    """default vs long: what the `stale` regime sees, the answers' length, and the pace of `sync`;
+    then the published study's numbers."""
+    lines = []
+    for preset, rows in by_preset.items():
+        stale = [r for r in rows if r["regime"] == "stale"]
+        sync = [r for r in rows if r["regime"] == "sync"]
+        mean = lambda rs, f: f"{statistics.mean(map(f, rs)):.2f}" if rs else "-"
+        lengths, source = answer_lengths(stale)
+        pct = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]
+        lines.append([f"{preset} preset (stale: {len(stale)} seed{'s' * (len(stale) > 1)})", mean(stale, lambda r: 100 * r["stale"]),
+                      mean(stale, lambda r: 100 * r["spanning"]), mean(stale, lambda r: r["lag"]),
+                      f"{pct(0.5):.0f} / {pct(0.9):.0f} / {lengths[-1]:.0f}" + (" (step means)" if source != "answers" else "")
+                      if lengths else "-", mean(sync, lambda r: r["steps_per_min"])])
+    lines += [list(row) for row in PUBLISHED]
+    return markdown(["", "stale tokens % (stale)", "spanning answers % (stale)", "lag (stale)",
+                     "answer length p50 / p90 / max, tokens (stale)", "steps/min (sync)"], lines)
 
 
-def means(rows):
-    """One line per regime and pool, means over seeds; `acc at T` is each run's eval
-    accuracy at T, when the regime's shortest run ended: a wall-clock every run reached."""
-    lines = ["| regime | pool | seeds | gain (points) | wall s | lag | stale tokens | rejected tokens | T s | acc at T |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for regime in dict.fromkeys(r["regime"] for r in rows):
-        same = [r for r in rows if r["regime"] == regime]
-        t_end = min(r["wall_s"] for r in same)
-        for pool in dict.fromkeys(r["pool"] for r in same):
-            rs = [r for r in same if r["pool"] == pool]
-            mean = lambda f: sum(map(f, rs)) / len(rs)
-            lines.append(f"| {regime} | {pool} | {len(rs)} | {100 * mean(lambda r: r['acc1'] - r['acc0']):+.1f} | "
-                         f"{mean(lambda r: r['wall_s']):.0f} | {mean(lambda r: r['lag']):.2f} | "
-                         f"{100 * mean(lambda r: r['stale']):.1f}% | {100 * mean(lambda r: r['rejected']):.1f}% | "
-                         f"{t_end:.0f} | {mean(lambda r: acc_at(r['curve'], t_end)):.3f} |")
-    return "\n".join(lines)
+# -----------------------------------------------------------------------------
+# figures
 
 
-def plot(rows, path):
-    """Eval accuracy vs wall-clock, one panel per regime, one colour per pool."""
+def pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    regimes = list(dict.fromkeys(r["regime"] for r in rows))
-    first_seed = min(r["seed"] for r in rows)  # one legend entry per pool
-    fig, axes = plt.subplots(1, len(regimes), figsize=(3.2 * len(regimes), 3), sharey=True, squeeze=False)
-    for ax, regime in zip(axes[0], regimes):
-        for r in rows:
-            if r["regime"] == regime:
-                t, acc = zip(*r["curve"])
-                ax.plot(t, acc, color={"fifo": "tab:blue", "pace": "tab:orange"}[r["pool"]], alpha=0.7,
-                        label=r["pool"] if r["seed"] == first_seed else None)
-        ax.set_title(regime)
-        ax.set_xlabel("wall-clock s")
-    axes[0][0].set_ylabel("eval pass@1 (greedy)")
-    axes[0][0].legend()
+    return plt
+
+
+def plot_acc(ax, rows, target):
+    """Eval accuracy vs wall-clock, one curve per regime (and pool): each seed's evals
+    linearly interpolated on a common grid, from the latest first eval to the earliest
+    last eval of the seeds; line = mean, band = min-max over seeds, dots = the evals."""
+    import numpy as np
+    for regime, pool, rs in groups(rows):
+        colour, ls = COLOURS[regime], "--" if pool == "pace" else "-"
+        grid = np.linspace(max(r["curve"][0][0] for r in rs), min(r["curve"][-1][0] for r in rs), 100)
+        accs = np.array([np.interp(grid, *zip(*r["curve"])) for r in rs])
+        label = regime if len({r["pool"] for r in rows}) == 1 else f"{regime} ({pool})"
+        ax.plot(grid, accs.mean(0), color=colour, ls=ls, label=label)
+        ax.fill_between(grid, accs.min(0), accs.max(0), color=colour, alpha=0.15, lw=0)
+        for r in rs:
+            ax.plot(*zip(*r["curve"]), ".", color=colour, ms=2)
+    if target is not None:
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target}")
+    ax.set_xlabel("wall-clock (s from the trainer's start)")
+    ax.set_ylabel("eval pass@1 (greedy)")
+    ax.legend(fontsize=7)
+
+
+def plot_shares(ax, rows, procs):
+    """Stacked shares of each process's time (ledger.json), mean over seeds, one bar per
+    regime (and pool) and process in procs; x labels in the regimes' colours."""
+    x, labels = 0, []
+    width = 0.8 / len(procs)
+    for i, (regime, pool, rs) in enumerate(groups(rows)):
+        for j, proc in enumerate(procs):
+            bottom = 0
+            for what in (GENERATOR if proc == "generator" else TRAINER):
+                share = statistics.mean(r["gen_share" if proc == "generator" else "trainer_share"].get(what, 0)
+                                        for r in rs)
+                ax.bar(i + (j - (len(procs) - 1) / 2) * width, share, width * 0.9, bottom=bottom,
+                       color=ACTIVITY_COLOURS[what], edgecolor="black", lw=0.3)
+                bottom += share
+            if len(procs) > 1:
+                ax.text(i + (j - (len(procs) - 1) / 2) * width, 1.01, proc[0].upper(), ha="center", fontsize=7)
+        labels.append(regime if len({r["pool"] for r in rows}) == 1 else f"{regime}\n{pool}")
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    for tick, (regime, _, _) in zip(ax.get_xticklabels(), groups(rows)):
+        tick.set_color(COLOURS[regime])
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("share of the process's time")
+
+
+def activity_legend(ax, procs):
+    from matplotlib.patches import Patch
+    names = list(dict.fromkeys(w for p in procs for w in (GENERATOR if p == "generator" else TRAINER)))
+    ax.legend(handles=[Patch(facecolor=ACTIVITY_COLOURS[w], edgecolor="black", lw=0.3, label=w) for w in names],
+              fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def figures(preset, rows, target, folder):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    plot_acc(ax, rows, target)
+    ax.set_title(f"{setting(preset, rows)}\nmean over seeds, band min-max (each seed interpolated between its evals, up to the shortest seed's last)",
+                 fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(os.path.join(folder, "acc_vs_wall.png"), dpi=100)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    for ax, proc in zip(axes, ["generator", "trainer"]):
+        plot_shares(ax, rows, [proc])
+        ax.set_title(proc, fontsize=9)
+        activity_legend(ax, [proc])
+    fig.suptitle(f"where the time went (ledger.json, mean over seeds), {setting(preset, rows)}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "time_share.png"), dpi=100)
+    plt.close(fig)
+    print(f"wrote {folder}/acc_vs_wall.png, {folder}/time_share.png")
+
+
+def contrast_figure(by_preset, targets, path):
+    """2x2: a row per preset; accuracy vs wall-clock, and the time-share bars
+    (G = generator, T = trainer) side by side per regime."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(8.4, 5.8), gridspec_kw=dict(width_ratios=[1, 1.2]))
+    for (preset, rows), (acc_ax, share_ax) in zip(by_preset.items(), axes):
+        plot_acc(acc_ax, rows, targets[preset])
+        acc_ax.set_title(f"{setting(preset, rows)}\nmean over seeds, band min-max", fontsize=8)
+        plot_shares(share_ax, rows, ["generator", "trainer"])
+        share_ax.set_title(f"{preset} preset: where the time went (G generator, T trainer)", fontsize=8)
+        activity_legend(share_ax, ["generator", "trainer"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)  # four panels: a smaller dpi keeps the file near the others' size
+    plt.close(fig)
     print(f"wrote {path}")
+
+
+# -----------------------------------------------------------------------------
+# the sweep
+
+
+def finished_on_disk(out, preset, regimes, pools):
+    """Every finished run of a preset in <out>/<preset>, whatever its seed."""
+    folder = os.path.join(out, preset)
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    rows = [s for name in names if os.path.isdir(os.path.join(folder, name)) and (s := summary(os.path.join(folder, name)))]
+    return [r for r in rows if r["regime"] in regimes and r["pool"] in pools]
 
 
 def main():
@@ -105,32 +333,63 @@ def main():
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--regimes", nargs="+", default=["sync", "drain", "discard", "stale", "recompute"])
+    p.add_argument("preset", choices=["default", "long"], help="train.py's settings: plain, or --preset long")
+    p.add_argument("--regimes", nargs="+", default=REGIMES, choices=REGIMES)
     p.add_argument("--pools", nargs="+", default=["fifo"], choices=["fifo", "pace"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--out", default="out/sweep", help="parent directory of the runs")
-    p.add_argument("--table-only", action="store_true", help="run nothing, print the table of finished runs")
+    p.add_argument("--contrast-seeds", nargs="+", type=int, default=[0], help="seeds of the default runs `long` adds")
+    p.add_argument("--target", type=float, default=None, help="target eval accuracy (default: TARGETS[preset])")
+    p.add_argument("--out", default="out/sweep", help="parent directory of the presets' run directories")
+    p.add_argument("--table-only", action="store_true", help="run nothing, write the tables of finished runs")
     args = p.parse_args(argv)
+    targets = dict(TARGETS, **({args.preset: args.target} if args.target is not None else {}))
+
     # seed by seed, so a sweep cut short still has every regime and pool at the first seeds
-    runs = [(r, pool, s) for s in args.seeds for pool in args.pools for r in args.regimes]
-    for i, (regime, pool, seed) in enumerate(runs):
-        run = os.path.join(args.out, f"{regime}-{pool}-s{seed}")
-        if args.table_only or summary(run):
-            continue
-        print(f"[{i + 1}/{len(runs)}] {run}", flush=True)
+    plan = [(args.preset, r, pool, s) for s in args.seeds for pool in args.pools for r in args.regimes]
+    if args.preset == "long":  # the contrast, once the long sweep is complete
+        plan += [("default", r, pool, s) for s in args.contrast_seeds for pool in args.pools for r in args.regimes]
+    todo = [] if args.table_only else [x for x in plan if not summary(run_dir(args.out, *x))]
+    print(f"{len(plan) - len(todo)} of {len(plan)} runs finished already, {len(todo)} to run", flush=True)
+    took = {"default": [], "long": []}  # seconds per run, this sweep
+    for i, (preset, regime, pool, seed) in enumerate(todo):
+        run = run_dir(args.out, preset, regime, pool, seed)
+        left = sum(statistics.mean(took[x[0]]) if took[x[0]] else EST_S[x[0]] for x in todo[i:])
+        print(f"[{i + 1}/{len(todo)}] {run} (about {left / 60:.0f} min left)", flush=True)
         shutil.rmtree(run, ignore_errors=True)  # an unfinished run starts over
-        os.makedirs(args.out, exist_ok=True)
+        os.makedirs(os.path.dirname(run), exist_ok=True)
         cmd = [sys.executable, "train.py", "--regime", regime, "--pool", pool, "--seed", str(seed),
-               "--out", run, "--no-plot", *extra]
+               "--out", run, "--no-plot", *(["--preset", "long"] if preset == "long" else []), *extra]
+        t0 = time.time()
         with open(run + ".log", "w") as log:
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
                 print(f"  failed: see {run}.log", flush=True)
-    rows = [s for r, pool, seed in runs if (s := summary(os.path.join(args.out, f"{r}-{pool}-s{seed}")))]
-    print(table(rows))
-    print()
-    print(means(rows))
+        took[preset].append(time.time() - t0)
+
+    folder = os.path.join(args.out, args.preset)
+    rows = [s for x in plan if x[0] == args.preset and (s := summary(run_dir(args.out, *x)))]
     if rows:
-        plot(rows, os.path.join(args.out, f"acc_vs_wall-{'-'.join(args.pools)}.png"))
+        target = targets[args.preset]
+        text = (f"# {setting(args.preset, rows)}, target {target if target is not None else '-'}\n\n"
+                f"{table(rows, target)}\n\n{NOTES}\n")
+        print(text)
+        with open(os.path.join(folder, "table.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(folder, "runs.md"), "w") as f:
+            f.write(f"# {setting(args.preset, rows)}, one row per run\n\n{runs_table(rows, target)}\n\n{NOTES}\n")
+        print(f"wrote {folder}/table.md, {folder}/runs.md")
+        figures(args.preset, rows, target, folder)
+    else:
+        print(f"no finished runs in {folder}")
+
+    # the contrast: every finished run of each preset on disk, of the first pool
+    pool = args.pools[0]
+    by_preset = {preset: finished_on_disk(args.out, preset, args.regimes, [pool]) for preset in ("default", "long")}
+    if all(by_preset.values()):
+        text = f"# short vs long answers (every finished {pool} run of each preset)\n\n{contrast_table(by_preset)}\n"
+        print(text)
+        with open(os.path.join(args.out, "contrast.md"), "w") as f:
+            f.write(text)
+        contrast_figure(by_preset, targets, os.path.join(args.out, "contrast.png"))
 
 
 if __name__ == "__main__":

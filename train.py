@@ -40,11 +40,12 @@ import shutil
 import sys
 import time
 
-from data import UsageError
+from data import UsageError, steps_range
 
 # -----------------------------------------------------------------------------
 # config
 
+BASE = dict(dataset="synth", synth_steps="2", max_lag=1, micro_batch_tokens=16384)  # unless a preset says otherwise
 DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
     "synth": dict(model="tiny", steps=150, prompts_per_step=16, group_size=8, max_new_tokens=96, lr=3e-5,
                   temperature=0.5, lr_schedule="cosine", eval_every=25, eval_n=256, max_model_len=512),
@@ -55,15 +56,25 @@ DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
 }
 
 
+PRESETS = {  # named settings on top of a dataset's defaults; flags given on the command line win
+    # MATH's analog: long-tailed answers (p50 32 tokens, p90 86, max ~120), the generator two versions
+    # ahead, short micro-batches (less padding); 512 eval problems, as the gains are smaller (README)
+    "long": dict(dataset="synth", synth_steps="1-12", max_new_tokens=160, max_lag=2, micro_batch_tokens=2048,
+                 eval_n=512),
+}
+
+
 def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--regime", default="recompute", choices=["sync", "drain", "discard", "stale", "recompute"],
                    help="what happens to in-flight answers when new weights arrive (regimes.py)")
-    p.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="task")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named settings (PRESETS); flags given win")
+    p.add_argument("--dataset", default=None, choices=["synth", "gsm8k", "math"], help="task")
     p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline)")
     p.add_argument("--eval-data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
-    p.add_argument("--synth-steps", type=int, default=2, help="operations per synth problem: sets answer length")
+    p.add_argument("--synth-steps", default=None,
+                   help="operations per synth problem, which set answer length: S, or a long-tailed range A-B (data.py)")
     p.add_argument("--model", default=None, help="'tiny', 'smol' (smol.py), a Hub id or a directory (default: per dataset)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: per dataset)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="GRPO groups per optimizer step")
@@ -76,14 +87,17 @@ def parse_config(argv=None):
                    help="linear lr warmup: Adam's first steps move every weight by ~lr whatever its gradient's noise")
     p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine"],
                    help="after warmup: constant, or cosine decay to 0 at --steps (default: per dataset)")
-    p.add_argument("--micro-batch-tokens", type=int, default=16384,
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="answers the generator writes at once (vLLM's max_num_seqs), like a GPU whose KV cache "
+                        "holds only so many long answers (default: twice a step's answers, at least 64)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="gradient accumulation: padded tokens (answers x longest prompt+answer) per forward/backward; "
-                        "16384 fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)")
+                        "default 16384, which fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)")
     p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="off-policy correction (see docstring)")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss ppo")
-    p.add_argument("--max-lag", type=int, default=1,
-                   help="AReaL's eta: admit a prompt only if it will be consumed at most this many versions "
+    p.add_argument("--max-lag", type=int, default=None,
+                   help="AReaL's eta (default 1): admit a prompt only if it will be consumed at most this many versions "
                         "after the weights that start it (sync forces 0)")
     p.add_argument("--pool", default="fifo", choices=["fifo", "pace"],
                    help="which finished groups a step consumes (pace.py): fifo, or PACE's staleness-aware rejection")
@@ -113,8 +127,12 @@ def parse_config(argv=None):
             cfg = {**vars(p.parse_args([])), **json.load(f)}
         # out: the directory as given now, wherever the run was started from
         cfg.update(resume=args.resume, out=args.resume, steps=args.steps or cfg["steps"])
+        for k, v in BASE.items():
+            cfg[k] = v if cfg[k] is None else cfg[k]
         return cfg
     cfg = vars(args)
+    for k, v in {**BASE, **PRESETS.get(cfg["preset"], {})}.items():
+        cfg[k] = v if cfg[k] is None else cfg[k]
     for k, v in DEFAULTS[cfg["dataset"]].items():
         cfg[k] = v if cfg[k] is None else cfg[k]
     check_config(cfg)
@@ -125,14 +143,24 @@ def parse_config(argv=None):
 def check_config(cfg):
     """What can be checked without loading anything: numbers and files. A mistake
     raises UsageError (one line, exit code 2)."""
-    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens"):
-        if cfg[k] < 1:
+    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens",
+              "max_num_seqs"):
+        if cfg[k] is not None and cfg[k] < 1:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
+    if cfg["max_num_seqs"] is not None and cfg["max_num_seqs"] < cfg["group_size"]:
+        raise UsageError(f"--max-num-seqs {cfg['max_num_seqs']} is below --group-size {cfg['group_size']}: "
+                         "a group is admitted whole, so none ever would be")
     for flag in ("data_file", "eval_data_file"):
         if cfg[flag] and cfg["dataset"] == "synth":
             raise UsageError(f"--{flag.replace('_', '-')} is for --dataset gsm8k or math; synth problems are made in data.py")
         if cfg[flag] and not os.path.isfile(cfg[flag]):
             raise UsageError(f"--{flag.replace('_', '-')} {cfg[flag]}: no such file")
+    if cfg.get("preset") and cfg["dataset"] != PRESETS[cfg["preset"]]["dataset"]:
+        raise UsageError(f"--preset {cfg['preset']} is a {PRESETS[cfg['preset']]['dataset']} preset, not for --dataset {cfg['dataset']}")
+    try:
+        steps_range(cfg["synth_steps"])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if not os.path.isdir(cfg["model"]) and not hub_id_shaped(cfg["model"]):  # presets ('tiny') pass
         raise UsageError(f"--model {cfg['model']}: neither a directory nor a Hub id (org/name)")
 
@@ -273,7 +301,7 @@ def prepare(cfg):
     env = resolve_devices(cfg)
     batch = cfg["prompts_per_step"] * cfg["group_size"]
     cfg.update(start_version=0, start_group=0, sync_host="127.0.0.1", queue_size=4 * batch,
-               start_timeout=900, max_num_seqs=max(64, 2 * batch))
+               start_timeout=900, max_num_seqs=cfg["max_num_seqs"] or max(64, 2 * batch))
     return env
 
 def memory_plan(cfg, config):
@@ -396,11 +424,17 @@ def train_step(cfg, model, batch, adv, device):
     (--micro-batch-tokens), gradients accumulating in .grad. Each micro-batch's
     loss is divided by the answer tokens of the *whole* batch, so the gradient is
     that of the token-level mean over the batch, whatever the split. Returns
-    (loss, mean |log pi - log mu| per token) of the whole batch."""
+    (loss, mean |log pi - log mu| per token of the answers it ran).
+
+    An answer whose advantage is 0 (its group's rewards all equal) adds exactly 0 to
+    the loss and its gradient, so it is not run at all: the gradient is the same,
+    for less work. On long-tailed tasks most groups are all right or all wrong."""
     import torch
     n_tokens = sum(len(s["token_ids"]) for s in batch)
+    run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
     loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-    for idx in micro_batches(batch, cfg["micro_batch_tokens"]):
+    for idx in micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"]):
+        idx = [run[j] for j in idx]
         mb = [batch[i] for i in idx]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
             logp = answer_logprobs(model, mb, cfg["temperature"], device)  # (N_mb,)
@@ -410,7 +444,8 @@ def train_step(cfg, model, batch, adv, device):
         loss.backward()
         loss_sum += loss.detach()
         gap_sum += (logp.detach() - behaviour).abs().sum()
-    return loss_sum.item(), gap_sum.item() / n_tokens  # the step's one CPU-GPU sync point
+    run_tokens = sum(len(batch[i]["token_ids"]) for i in run)
+    return loss_sum.item(), gap_sum.item() / max(1, run_tokens)  # the step's one CPU-GPU sync point
 
 
 def lr_at(cfg, step):

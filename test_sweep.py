@@ -1,0 +1,41 @@
+"""
+sweep.py end to end, small: two regimes x one seed of 3 steps each, evaluated every
+step, in a subprocess; then its tables and figures. Two train.py runs, ~5 min on 2 cores.
+
+    .venv/bin/python -m pytest -q test_sweep.py
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+
+def test_sweep_writes_tables_and_figures(tmp_path):
+    out = str(tmp_path)
+    r = subprocess.run([sys.executable, "sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
+                        "--out", out, "--", "--steps", "3", "--eval-every", "1", "--eval-n", "16",
+                        "--prompts-per-step", "2", "--group-size", "2"],
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    folder = os.path.join(out, "default")
+    for regime in ("sync", "stale"):
+        assert os.path.exists(os.path.join(folder, f"{regime}-fifo-s0", "ledger.json")), \
+            open(os.path.join(folder, f"{regime}-fifo-s0.log")).read()[-3000:]
+    for name in ("table.md", "runs.md", "acc_vs_wall.png", "time_share.png"):
+        path = os.path.join(folder, name)
+        assert os.path.getsize(path) > 0, path
+    for name in ("acc_vs_wall.png", "time_share.png"):
+        assert os.path.getsize(os.path.join(folder, name)) < 150_000
+    table = open(os.path.join(folder, "table.md")).read()
+    for regime in ("sync", "stale"):
+        row, = [line for line in table.splitlines() if line.startswith(f"| {regime} |")]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1:3] == ["fifo", "1"], row
+        assert re.fullmatch(r"[01]\.\d{3}", cells[3]), row  # final eval pass@1
+        assert float(cells[6]) > 0, row  # steps/min
+    # no long runs: no contrast; a second call finds both runs finished and runs nothing
+    assert not os.path.exists(os.path.join(out, "contrast.md"))
+    r = subprocess.run([sys.executable, "sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
+                        "--out", out], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "2 of 2 runs finished already, 0 to run" in r.stdout, r.stdout + r.stderr

@@ -60,13 +60,13 @@ def synth_problem(rng, steps):
 def steps_range(steps):
     """--synth-steps: 'S' (every problem S operations) or 'A-B' (A to B operations,
     long-tailed: P(s) proportional to 1/s, so most problems are short and a few long,
-    like MATH's answers next to GSM8K's). Returns (A, B); raises ValueError."""
+    like MATH's answers next to GSM8K's). Returns (A, B)."""
     m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", str(steps))
     if not m:
-        raise ValueError(f"--synth-steps {steps}: expected a number of operations (2) or a range (1-12)")
+        raise UsageError(f"--synth-steps {steps}: expected a number of operations (2) or a range (1-12)")
     lo, hi = int(m[1]), int(m[2] or m[1])
     if not 1 <= lo <= hi <= 16:
-        raise ValueError(f"--synth-steps {steps}: operations must satisfy 1 <= A <= B <= 16")
+        raise UsageError(f"--synth-steps {steps}: operations must satisfy 1 <= A <= B <= 16")
     return lo, hi
 
 

@@ -23,7 +23,8 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "
 
 
 CASES = ["truncated line", "missing field", "missing file", "model path", "resume nothing", "resume no ckpt",
-         "answer budget", "offline test split", "eval.py truncated line", "eval.py offline"]
+         "answer budget", "offline test split", "eval.py truncated line", "eval.py offline", "synth steps",
+         "preset dataset", "max num seqs"]
 
 
 def bad_input(case, tmp):
@@ -49,6 +50,9 @@ def bad_input(case, tmp):
         "offline test split": ([*train, "--dataset", "gsm8k", "--data-file", FIXTURE], "pass --eval-data-file"),
         "eval.py truncated line": ([*evaluate, "--data-file", str(tmp / "truncated.jsonl")], "truncated.jsonl:2"),
         "eval.py offline": (evaluate, "pass --data-file"),
+        "synth steps": ([*train, "--synth-steps", "12-1"], "1 <= A <= B <= 16"),
+        "preset dataset": ([*train, "--preset", "long", *gsm8k], "not for --dataset gsm8k"),
+        "max num seqs": ([*train, "--max-num-seqs", "4"], "below --group-size 8"),
     }[case]
 
 

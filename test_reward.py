@@ -158,3 +158,21 @@ def test_fixtures(dataset, key):
     assert len(rows) >= 8
     for row in rows:
         assert score(row[key], to_problem(row, dataset)["answer"], dataset) == 1.0, row
+
+
+def test_synth_lengths():
+    """--synth-steps S keeps the problems every README number was measured on (the
+    seed formula since the start); A-B is long-tailed, P(s) ~ 1/s, and its own stream."""
+    import random
+    import data
+    rng = random.Random(data.SYNTH_SEEDS["test"] * 1000 + 2)
+    assert data.synth_split("test", 50, "2") == [data.synth_problem(rng, 2) for _ in range(50)]
+    assert data.synth_split("test", 50, 2) == data.synth_split("test", 50, "2")
+    ops = [p["solution"].count("=") for p in data.synth_split("train", 4000, "1-12")]
+    assert min(ops) == 1 and max(ops) == 12
+    expect = sum(1 / s for s in (1, 2, 3)) / sum(1 / s for s in range(1, 13))  # 0.59
+    assert abs(sum(o <= 3 for o in ops) / len(ops) - expect) < 0.03
+    assert data.synth_split("train", 20, "1-12") == data.synth_split("train", 20, "1-12")
+    for bad in ("0", "3-1", "1-17", "two", "1-2-3"):
+        with pytest.raises(data.UsageError):
+            data.steps_range(bad)

@@ -349,7 +349,8 @@ def main():
     if args.preset == "long":  # the contrast, once the long sweep is complete
         plan += [("default", r, pool, s) for s in args.contrast_seeds for pool in args.pools for r in args.regimes]
     todo = [] if args.table_only else [x for x in plan if not summary(run_dir(args.out, *x))]
-    print(f"{len(plan) - len(todo)} of {len(plan)} runs finished already, {len(todo)} to run", flush=True)
+    if not args.table_only:
+        print(f"{len(plan) - len(todo)} of {len(plan)} runs finished already, {len(todo)} to run", flush=True)
     took = {"default": [], "long": []}  # seconds per run, this sweep
     for i, (preset, regime, pool, seed) in enumerate(todo):
         run = run_dir(args.out, preset, regime, pool, seed)

@@ -282,7 +282,7 @@ def figures(preset, rows, target, folder):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     plot_acc(ax, rows, target)
-    ax.set_title(f"{setting(preset, rows)}\nmean over seeds, band min-max (each seed interpolated between its evals, up to the shortest seed's last)",
+    ax.set_title(f"{setting(preset, rows)}\nmean over seeds, band min-max (seeds interpolated between\ntheir evals, up to the shortest seed's last)",
                  fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "acc_vs_wall.png"), dpi=100)

@@ -425,7 +425,7 @@ def train_step(cfg, model, batch, adv, device):
 
     An answer whose advantage is 0 (its group's rewards all equal) adds exactly 0 to
     the loss and its gradient, so it is not run at all: the gradient is the same,
-    for less work. On long-tailed tasks most groups are all right or all wrong."""
+    for less work. On long-tailed tasks many groups are all right or all wrong."""
     import torch
     n_tokens = sum(len(s["token_ids"]) for s in batch)
     run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]

@@ -89,9 +89,29 @@ def check_run(run, regime, steps):
 
 
 def start_train(run):
-    """train.py in its own process group, as a terminal would run it."""
-    return subprocess.Popen([sys.executable, "train.py", "--out", run, "--steps", "1000", *SMALL, "--no-plot"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """train.py in its own process group, as a terminal would run it; its stderr goes
+    to run + '.stderr' (read by stderr_tail)."""
+    proc = subprocess.Popen([sys.executable, "train.py", "--out", run, "--steps", "1000", *SMALL, "--no-plot"],
+                            stdout=subprocess.PIPE, stderr=open(run + ".stderr", "w"), text=True, start_new_session=True)
+    proc.stderr_path = run + ".stderr"
+    return proc
+
+
+def stderr_tail(proc):
+    with open(proc.stderr_path) as f:
+        return f.read()[-3000:]
+
+
+def exits(proc, timeout=30):
+    """proc's exit code; if it is still alive after timeout, its Python stack (train.py
+    dumps it on SIGUSR1) in the failure."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        raise AssertionError(f"train.py still alive {timeout}s later; its stderr and stack:\n{stderr_tail(proc)}") from None
 
 
 def wait_for_step(proc, timeout=300):
@@ -100,7 +120,7 @@ def wait_for_step(proc, timeout=300):
         if line.startswith("step 1 "):
             return psutil.Process(proc.pid).children(recursive=True)
         assert time.time() - t0 < timeout
-    raise AssertionError("train.py ended before its first step: " + proc.stderr.read()[-3000:])
+    raise AssertionError("train.py ended before its first step: " + stderr_tail(proc))
 
 
 def still_running(procs):
@@ -112,7 +132,7 @@ def test_ctrl_c_stops_both(tmp_path):
     children = wait_for_step(proc)
     assert children, "no generator process"
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-    assert proc.wait(timeout=30) != 0
+    assert exits(proc) != 0
     time.sleep(1)
     assert not still_running(children)
 
@@ -124,7 +144,7 @@ def test_killed_trainer_leaves_no_generator(tmp_path, sig):
     proc = start_train(str(tmp_path / "killtrainer"))
     children = wait_for_step(proc)
     os.kill(proc.pid, sig)
-    assert proc.wait(timeout=30) != 0
+    assert exits(proc) != 0
     psutil.wait_procs(children, timeout=30)
     assert not still_running(children)
 
@@ -135,9 +155,9 @@ def test_killed_generator_stops_trainer(tmp_path):
     t0 = time.time()
     for c in children:
         c.kill()
-    code = proc.wait(timeout=30)
+    code = exits(proc)
     assert code != 0 and time.time() - t0 < 30
-    assert "generator process" in proc.stderr.read()
+    assert "generator process" in stderr_tail(proc)
 
 
 def test_shipped_tiny_model_is_the_recipes():

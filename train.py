@@ -800,6 +800,8 @@ if __name__ == "__main__":
     import signal
     from generator import GeneratorDied
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, schedulers: stop as Ctrl-C does
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack on stderr
     try:
         main()
     except UsageError as e:  # a user's mistake: one line, no traceback

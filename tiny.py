@@ -127,8 +127,8 @@ def shipped():
 def tiny_model_dir(root="out", rebuild=False):
     """Directory of the warm-started tiny model: the shipped weights when they are this
     recipe's, else the cached build under root, building it on first use."""
-    if not rebuild and shipped():
-        return shipped()
+    if not rebuild and (path := shipped()):
+        return path
     path = os.path.join(root, f"tiny-{recipe_hash()}")
     if os.path.exists(os.path.join(path, "recipe.json")):
         return path

@@ -442,7 +442,7 @@ def train_step(cfg, model, batch, adv, device):
         loss_sum += loss.detach()
         gap_sum += (logp.detach() - behaviour).abs().sum()
     run_tokens = sum(len(batch[i]["token_ids"]) for i in run)
-    return loss_sum.item(), gap_sum.item() / max(1, run_tokens)  # the step's one CPU-GPU sync point
+    return loss_sum.item(), gap_sum.item() / max(1, run_tokens)  # syncs: this, and `run` before any work is queued
 
 
 def lr_at(cfg, step):

@@ -51,7 +51,11 @@ def main():
     # 92% of the node's memory and refuses to start when other processes hold some
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams  # ~10 s to import: after the checks
-    llm = LLM(model=model, seed=0, max_model_len=None if args.dataset == "synth" else 4096)
+    import torch
+    # the generator's dtype (generator.make_engine): vLLM's "auto" would cast a float32 checkpoint
+    # to bfloat16 on a CPU too, and measure other weights than train.py's evaluations do
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    llm = LLM(model=model, seed=0, dtype=dtype, max_model_len=None if args.dataset == "synth" else 4096)
     prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
     max_new = args.max_new_tokens or (256 if args.dataset == "synth" else 1024)
     outs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=max_new), use_tqdm=True)

@@ -66,9 +66,13 @@ def plot_run(run):
     steps = [m for m in metrics if "reward_mean" in m]
     # wall_s counts from the trainer's "starting" event, the first of the timeline
     ax.plot([m["wall_s"] for m in steps], [m["reward_mean"] for m in steps], label="reward (train batch)")
+    with open(os.path.join(run, "config.json")) as f:
+        if json.load(f).get("format_reward"):  # what the format reward asks for
+            ax.plot([m["wall_s"] for m in steps], [m["boxed_frac"] for m in steps], ":",
+                    label="answers with a \\boxed{} (train batch)")
     evals = [m for m in metrics if "eval_acc" in m]
     ax.plot([m["wall_s"] for m in evals], [m["eval_acc"] for m in evals], "o-", label="eval pass@1")
-    ax.set_ylabel("reward / accuracy")
+    ax.set_ylabel("reward / accuracy / share")
     ax.set_title(os.path.basename(os.path.normpath(run)))
     ax.legend()
     draw_processes(tl, events, t0)

@@ -9,6 +9,10 @@ Rewards: score(completion, answer, dataset) is 1.0 when the completion's final a
   math-verify's symbolic/numeric equivalence: 0.5 == \\frac12 == \\frac{1}{2}. No box, no reward.
 
 Any completion text gives 0.0 or 1.0, never an exception or a hang (an unknown dataset is a ValueError).
+
+reward(..., format_weight=w) is what the trainer uses: score(), except that a wrong answer which at
+least puts something in a \\boxed{} earns w (DeepSeek-R1's format reward; train.py --format-reward,
+default 0, so reward == score). A model that rarely boxes its answer (smol) learns to.
 """
 
 import ctypes
@@ -101,3 +105,7 @@ def score(completion, answer, dataset):
             return 0.0
         return run_with_timeout(lambda: check_math(box, answer), TIMEOUT_S)
     raise ValueError(f"unknown dataset {dataset!r}, expected synth, gsm8k or math")
+
+
+def reward(completion, answer, dataset, format_weight=0.0):
+    return max(score(completion, answer, dataset), format_weight * (last_boxed(completion) is not None))

@@ -24,7 +24,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "
 
 CASES = ["truncated line", "missing field", "missing file", "model path", "resume nothing", "resume no ckpt",
          "answer budget", "offline test split", "eval.py truncated line", "eval.py offline", "synth steps",
-         "preset dataset", "max num seqs"]
+         "preset dataset", "max num seqs", "format reward"]
 
 
 def bad_input(case, tmp):
@@ -53,6 +53,7 @@ def bad_input(case, tmp):
         "synth steps": ([*train, "--synth-steps", "12-1"], "1 <= A <= B <= 16"),
         "preset dataset": ([*train, "--preset", "long", *gsm8k], "not for --dataset gsm8k"),
         "max num seqs": ([*train, "--max-num-seqs", "4"], "below --group-size 8"),
+        "format reward": ([*train, "--format-reward", "1.5"], "--format-reward must be in [0, 1]"),
     }[case]
 
 

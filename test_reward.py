@@ -52,6 +52,16 @@ def test_wrong_answers(completion, answer):
     assert score(completion, answer, "synth") == 0.0
 
 
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_format_reward(dataset):
+    right, boxed_wrong, plain_wrong = "so \\boxed{7}", "so \\boxed{8}", "so 8"
+    for w in (0.0, 0.3):
+        assert reward.reward(right, "7", dataset, w) == 1.0  # a right answer earns 1 whatever w
+        assert reward.reward(boxed_wrong, "7", dataset, w) == w  # a wrong one in a box: w
+        assert reward.reward(plain_wrong, "7", dataset, w) == 0.0
+    assert reward.reward("7", "7", "synth", 0.3) == 1.0  # synth needs no box to be right
+
+
 def test_unknown_dataset():
     with pytest.raises(ValueError):
         score("#### 1", "1", "gsm8k_typo")

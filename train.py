@@ -13,6 +13,8 @@ queue; new weights go to the vLLM worker by torch.distributed broadcast after
 every optimizer step.
 
 The loss, and what it simplifies:
+- Reward (reward.py): 1 for a right final answer, else 0, or --format-reward for a
+  wrong answer that at least puts something in a \\boxed{} (default 0: correctness only).
 - GRPO advantages: reward minus the group mean, over the group std (+1e-4); groups
   of --group-size answers to one prompt, consumed whole.
 - Off-policy correction per token with the generation-time logprobs as the

@@ -4,8 +4,8 @@ figures in RESULTS.md: eval accuracy against wall-clock, time to a target accura
 steps per minute, stale tokens, lag, and where each process's time went.
 
     python sweep.py default             # 5 regimes x 3 seeds of plain train.py (~2.5 min a run, ~40 min on 2 cores)
-    python sweep.py long                # 5 x 3 of `train.py --preset long` (~3-5 min a run, ~1 h),
-                                        # then 5 x 1 of default for the contrast (~13 min)
+    python sweep.py long                # 5 x 5 of `train.py --preset long` (~3-5 min a run, ~1 h 45),
+                                        # then 5 x 3 of default for the contrast (~35 min)
     python sweep.py long --regimes stale recompute --pools fifo pace --seeds 0
     python sweep.py long --table-only   # run nothing, write the tables and figures of what finished
     python sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
@@ -336,12 +336,14 @@ def main():
     p.add_argument("preset", choices=["default", "long"], help="train.py's settings: plain, or --preset long")
     p.add_argument("--regimes", nargs="+", default=REGIMES, choices=REGIMES)
     p.add_argument("--pools", nargs="+", default=["fifo"], choices=["fifo", "pace"])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--contrast-seeds", nargs="+", type=int, default=[0], help="seeds of the default runs `long` adds")
+    # long: 5 seeds, as its regimes differ by less than 3 seeds' spread (README)
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0-2, and 0-4 for long")
+    p.add_argument("--contrast-seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of the default runs `long` adds")
     p.add_argument("--target", type=float, default=None, help="target eval accuracy (default: TARGETS[preset])")
     p.add_argument("--out", default="out/sweep", help="parent directory of the presets' run directories")
     p.add_argument("--table-only", action="store_true", help="run nothing, write the tables of finished runs")
     args = p.parse_args(argv)
+    args.seeds = args.seeds or ([0, 1, 2, 3, 4] if args.preset == "long" else [0, 1, 2])
     targets = dict(TARGETS, **({args.preset: args.target} if args.target is not None else {}))
 
     # seed by seed, so a sweep cut short still has every regime and pool at the first seeds

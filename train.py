@@ -42,7 +42,7 @@ import shutil
 import sys
 import time
 
-from data import UsageError, steps_range
+from data import UsageError, last_boxed, steps_range
 
 # -----------------------------------------------------------------------------
 # config
@@ -639,7 +639,6 @@ def main(argv=None):
     from generator import GeneratorHandle
     from pace import default_target, pool_stats, take_groups_fifo, take_groups_pace
     from reward import reward
-    from data import last_boxed
 
     env = prepare(cfg)
     check_model(cfg["model_path"])  # after prepare: presets ('tiny') are directories by now

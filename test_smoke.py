@@ -93,8 +93,9 @@ def check_run(run, regime, steps):
 def start_train(run):
     """train.py in its own process group, as a terminal would run it; its stderr goes
     to run + '.stderr' (read by stderr_tail)."""
-    proc = subprocess.Popen([sys.executable, "train.py", "--out", run, "--steps", "1000", *SMALL, "--no-plot"],
-                            stdout=subprocess.PIPE, stderr=open(run + ".stderr", "w"), text=True, start_new_session=True)
+    with open(run + ".stderr", "w") as err:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "train.py", "--out", run, "--steps", "1000", *SMALL, "--no-plot"],
+                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     proc.stderr_path = run + ".stderr"
     return proc
 

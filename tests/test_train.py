@@ -3,7 +3,7 @@ The trainer's step, on its own (no vLLM): micro-batched, chunked gradients again
 independent whole-batch computation; the memory it takes at Qwen3's vocabulary; and
 the device plumbing a GPU run depends on, checked where a CPU can reach it.
 
-    .venv/bin/python -m pytest -q test_train.py
+    .venv/bin/python -m pytest -q tests/test_train.py
 """
 
 import json
@@ -15,6 +15,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import preflight
+import rundir
 import train
 
 
@@ -103,12 +105,12 @@ def test_micro_batches_group_by_length_within_budget():
 
 
 def test_step_memory_at_qwen3_vocabulary():
-    """bench_train.py's small shape in its own process: Qwen3's 151,936-token
+    """tools/bench_train.py's small shape in its own process: Qwen3's 151,936-token
     vocabulary, 8 answers of ~900 tokens, whose whole-batch float32 logits would take
     ~4 GB. The step's peak resident memory growth must stay within train.py's memory
     plan (16 bytes a parameter + activations + 5 float32 logit chunks of 256 MiB:
     ~1.5 GiB), which is itself under half of those logits."""
-    r = subprocess.run([sys.executable, "bench_train.py", "--shape", "small", "--steps", "1"],
+    r = subprocess.run([sys.executable, "tools/bench_train.py", "--shape", "small", "--steps", "1"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -128,7 +130,7 @@ def test_generator_gpu_is_the_users_physical_gpu(monkeypatch):
         else:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         cfg = train.parse_config(["--dataset", "gsm8k", "--out", "out/test-devices"])
-        env = train.resolve_devices(cfg)
+        env = preflight.resolve_devices(cfg)
         assert env["CUDA_VISIBLE_DEVICES"] == expect
         assert (cfg["gen_device"], cfg["train_device"], cfg["sync_backend"]) == ("cuda:0", "cuda:1", "nccl")
 
@@ -157,7 +159,7 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
         torch.save(dict(opt=opt.state_dict(), step=3), tmp_path / "ckpt" / "trainer_state.pt")
     with pytest.raises(RuntimeError, match="CUDA"):  # what --resume did before map_location
         torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)
-    state = train.load_trainer_state(str(tmp_path))
+    state = rundir.load_trainer_state(str(tmp_path))
     opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt2.load_state_dict(state["opt"])
     opt2.step()
@@ -165,9 +167,9 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
 
 
 def test_gpu_check_on_cpu():
-    """gpu_check.py, the GPU user's first command, run here with the tiny model: the sync
+    """tools/gpu_check.py, the GPU user's first command, run here with the tiny model: the sync
     check and two regimes pass (the other regimes are covered by test_smoke.py)."""
-    r = subprocess.run([sys.executable, "gpu_check.py", "--model", "tiny", "--dataset", "synth", "--steps", "2",
+    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--model", "tiny", "--dataset", "synth", "--steps", "2",
                         "--regimes", "stale", "recompute", "--skip-bench"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("[PASS]") == 3 and "3/3 checks passed" in r.stdout

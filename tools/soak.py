@@ -4,8 +4,8 @@ model for --steps steps without evaluation, sampling the resident memory (RSS) o
 the trainer and of the generator every --every seconds. Not a test (it takes
 ~20 min on 2 CPU cores); the README has its numbers.
 
-    python soak.py                                  # 1,000 steps, the synth defaults
-    python soak.py --steps 300 -- --regime stale    # flags after -- go to train.py
+    python tools/soak.py                            # 1,000 steps, the synth defaults
+    python tools/soak.py --steps 300 -- --regime stale  # flags after -- go to train.py
 
 Prints both RSS every 100 steps, then the growth per 100 steps: the least-squares
 slope over the samples from step 100 on (the first steps fill caches and the
@@ -20,6 +20,9 @@ import subprocess
 import sys
 import threading
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
 
 import psutil
 
@@ -57,7 +60,7 @@ def main():
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     run = args.out or os.path.join("out", f"soak-{time.strftime('%m%d-%H%M%S')}")
-    cmd = [sys.executable, "train.py", "--steps", str(args.steps), "--eval-every", "0", "--no-plot",
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", str(args.steps), "--eval-every", "0", "--no-plot",
            "--out", run, *args.train_args]
     print(" ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

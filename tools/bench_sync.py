@@ -2,9 +2,9 @@
 Benchmarks of the generator's two costs, each against a baseline measured in the
 same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
 
-    .venv/bin/python bench_sync.py                 # CPU: tiny model for tokens/s, a ~50M random Qwen3 for sync
-    .venv/bin/python bench_sync.py --sync-model smol --gen-model smol --prompts 4   # SmolLM2-135M (smol.py)
-    python bench_sync.py --sync-model Qwen/Qwen3-0.6B --gen-device cuda:0 --train-device cuda:1   # GPUs
+    .venv/bin/python tools/bench_sync.py           # CPU: tiny model for tokens/s, a ~50M random Qwen3 for sync
+    .venv/bin/python tools/bench_sync.py --sync-model smol --gen-model smol --prompts 4   # SmolLM2-135M (tools/smol.py)
+    python tools/bench_sync.py --sync-model Qwen/Qwen3-0.6B --gen-device cuda:0 --train-device cuda:1   # GPUs
 
 1. weight sync: the time train.py's push blocks the trainer (broadcast of every
    tensor into the vLLM worker and its acknowledgement of the version; vLLM's
@@ -22,8 +22,12 @@ same run, printed as ratios (targets: sync <= 1.3x, tokens/s >= 0.9x).
 
 import argparse
 import os
+import sys
 import time
 from statistics import median_high
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
 
 
 def raw_receiver(host, port, backend, specs, rounds):
@@ -46,12 +50,13 @@ def bench_sync(args):
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
     from generator import GeneratorHandle, init_weight_group, spawn_with_env, weight_specs
-    from train import parse_config, prepare
+    from preflight import prepare
+    from train import parse_config
     path = args.sync_model
     if path == "medium":  # a random Qwen3 big enough that bytes, not per-call overhead, dominate
         path = os.path.join("out", "bench-medium")
         if not os.path.exists(os.path.join(path, "config.json")):
-            from tiny import build_tokenizer
+            from tools.tiny import build_tokenizer
             tok = build_tokenizer()
             config = AutoConfig.for_model("qwen3", vocab_size=len(tok), hidden_size=768, intermediate_size=2048,
                                           num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
@@ -59,7 +64,7 @@ def bench_sync(args):
             AutoModelForCausalLM.from_config(config).save_pretrained(path)
             tok.save_pretrained(path)
     elif path == "smol":
-        from smol import smol_model_dir
+        from tools.smol import smol_model_dir
         path = smol_model_dir()
     cfg = parse_config(["--regime", "stale", "--model", path, "--out", "out/bench", "--gen-device", args.gen_device,
                         "--train-device", args.train_device, "--max-lag", "-1000000"])  # admits nothing: idle engine
@@ -114,7 +119,8 @@ def bench_generate(args):
     from data import load_problems
     from eval import eval_prompts
     from generator import Generator, make_engine
-    from train import parse_config, prepare
+    from preflight import prepare
+    from train import parse_config
     cfg = parse_config(["--regime", "stale", "--model", args.gen_model, "--out", "out/bench", "--synth-steps", "8",
                         "--max-new-tokens", "96",
                         "--prompts-per-step", str(args.prompts), "--group-size", "8", "--max-lag", "0",
@@ -158,7 +164,8 @@ def bench_provenance(args):
     from transformers import AutoTokenizer
     from data import load_problems
     from generator import Generator, Rollout, make_engine
-    from train import parse_config, prepare
+    from preflight import prepare
+    from train import parse_config
     cfg = parse_config(["--regime", "stale", "--out", "out/bench", "--prompts-per-step", str(args.prompts),
                         "--max-lag", "0", "--gen-device", args.gen_device, "--train-device", args.train_device])
     prepare(cfg)  # the synth defaults: 2-operation problems, group size 8, as a default run

@@ -6,7 +6,7 @@ is caught and reported with its stack; --resume after kill -9 logs every step on
 and keeps the staleness bound; a save that dies half-way leaves a checkpoint that
 --resume finds.
 
-    .venv/bin/python -m pytest -q test_reliability.py
+    .venv/bin/python -m pytest -q tests/test_reliability.py
 """
 
 import json
@@ -19,12 +19,12 @@ import time
 import psutil
 import pytest
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "gsm8k.jsonl")
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "gsm8k.jsonl")
 
 
 CASES = ["truncated line", "missing field", "missing file", "model path", "resume nothing", "resume no ckpt",
          "answer budget", "offline test split", "eval.py truncated line", "eval.py offline", "synth steps",
-         "preset dataset", "max num seqs", "format reward"]
+         "preset dataset", "max num seqs", "format reward", "json object", "resume done", "eval.py answer budget"]
 
 
 def bad_input(case, tmp):
@@ -35,6 +35,13 @@ def bad_input(case, tmp):
     (tmp / "no_question.jsonl").write_text(text.replace('"question"', '"q"', 2).split("\n", 2)[1] + "\n")
     (tmp / "run_without_ckpt").mkdir()
     (tmp / "run_without_ckpt" / "config.json").write_text("{}")
+    (tmp / "object.json").write_text(json.dumps({"question": "q", "answer": "#### 1"}))
+    if case == "resume done":  # a run whose checkpoint is at step 5 (the tiny model's weights as its model)
+        import shutil
+        import torch
+        shutil.copytree(os.path.join("weights", "tiny"), tmp / "run_done" / "ckpt")
+        torch.save(dict(step=5), tmp / "run_done" / "ckpt" / "trainer_state.pt")
+        (tmp / "run_done" / "config.json").write_text(json.dumps({"steps": 5}))
     gsm8k = ["--dataset", "gsm8k", "--eval-data-file", FIXTURE]
     train = ["train.py", "--out", str(tmp / "run"), "--no-plot"]
     evaluate = ["eval.py", "--model", "tiny", "--dataset", "gsm8k"]  # shares the loaders; its test flag: --data-file
@@ -54,6 +61,9 @@ def bad_input(case, tmp):
         "preset dataset": ([*train, "--preset", "long", *gsm8k], "not for --dataset gsm8k"),
         "max num seqs": ([*train, "--max-num-seqs", "4"], "below --group-size 8"),
         "format reward": ([*train, "--format-reward", "1.5"], "--format-reward must be in [0, 1]"),
+        "json object": ([*train, *gsm8k, "--data-file", str(tmp / "object.json")], "one array of objects"),
+        "resume done": ([*train, "--resume", str(tmp / "run_done"), "--steps", "3"], "checkpoint is at step 5"),
+        "eval.py answer budget": (["eval.py", "--model", "tiny", "--max-new-tokens", "600"], "lower it to"),
     }[case]
 
 
@@ -83,6 +93,16 @@ def _pgid(pid):
         return None
 
 
+def test_json_array_data_file(tmp_path):
+    """A .json data file holding an array of rows (what `datasets` writes and reads) is
+    read as the .jsonl with the same rows."""
+    from data import load_problems
+    rows = [json.loads(line) for line in open(FIXTURE)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    assert load_problems("gsm8k", "train", data_file=str(tmp_path / "rows.json")) == \
+        load_problems("gsm8k", "train", data_file=FIXTURE)
+
+
 class Crash(Exception):
     pass
 
@@ -94,21 +114,21 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
     import shutil
     import torch
     from transformers import AutoModelForCausalLM
-    import train
-    from tiny import RECIPE, build_model, build_tokenizer
+    import rundir
+    from tools.tiny import RECIPE, build_model, build_tokenizer
     tok = build_tokenizer()
     model = build_model(len(tok), RECIPE)
     opt = torch.optim.AdamW(model.parameters())
     cfg = dict(out=str(tmp_path))
-    for name in train.LOGS:
+    for name in rundir.LOGS:
         (tmp_path / name).write_text("{}\n")
     ckpt = str(tmp_path / "ckpt")
 
     def save(step):
-        train.save_checkpoint(cfg, model, tok, opt, step=step, version=step, data_position=4 * step)
+        rundir.save_checkpoint(cfg, model, tok, opt, step=step, version=step, data_position=4 * step)
 
     def resumes_at(step):
-        path = train.recover_checkpoint(str(tmp_path))
+        path = rundir.recover_checkpoint(str(tmp_path))
         assert torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)["step"] == step
         AutoModelForCausalLM.from_pretrained(path)  # loads whole
 
@@ -142,7 +162,7 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
         resumes_at(step - 1 if survivor == "previous" else step)
         save(step)  # the next save cleans up whatever the dead one left
         resumes_at(step)
-        assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *train.LOGS])
+        assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *rundir.LOGS])
 
 
 SMALL = ["--eval-every", "0", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "6",
@@ -224,5 +244,6 @@ def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
     assert "generator stalled: alive but" in err and "for 20s" in err, err[-3000:]
     assert "last activity it reported: " in err
     assert "in stall_test_hook" in err  # the stack faulthandler wrote, pointing at the hang
+    assert "leaked semaphore" not in err, err[-2000:]  # the killed generator leaves nothing behind
     time.sleep(1)
     assert not session_left(proc.pid)

@@ -4,7 +4,7 @@ Hugging Face cache continuation for p_stale, and a cache-free forward of v+1 who
 upper layers get v's keys and values patched in by hooks for p_partial(k).
 Tiny model, float32, CPU, ~15 s.
 
-    .venv/bin/python -m pytest -q test_study.py
+    .venv/bin/python -m pytest -q tests/test_study.py
 """
 
 import copy
@@ -25,11 +25,11 @@ def setup():
     std (far enough that stale and fresh differ clearly), a few answers sampled from v."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from data import load_problems
-    from tiny import tiny_model_dir
+    from preflight import model_path
     torch.set_num_threads(1)  # tiny ops; more threads only spin against other processes on the cores
     torch.manual_seed(0)
     cfg = study.parse_config(["--prompts", "2", "--group-size", "2", "--max-new-tokens", "64"])
-    path = tiny_model_dir()
+    path = model_path("tiny")
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     old = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

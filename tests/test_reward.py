@@ -1,4 +1,4 @@
-# tests for reward.py. run: python -m pytest -q test_reward.py  (a few seconds on 2 CPU cores)
+# tests for reward.py. run: python -m pytest -q tests/test_reward.py  (a few seconds on 2 CPU cores)
 import json
 import os
 import threading
@@ -163,7 +163,7 @@ def test_hashes_property(prefix, n, dataset):
 
 @pytest.mark.parametrize("dataset, key", [("gsm8k", "answer"), ("math", "solution")])
 def test_fixtures(dataset, key):
-    with open(os.path.join(os.path.dirname(__file__), "fixtures", f"{dataset}.jsonl")) as f:
+    with open(os.path.join("fixtures", f"{dataset}.jsonl")) as f:  # tests run from the root (conftest.py)
         rows = [json.loads(line) for line in f]
     assert len(rows) >= 8
     for row in rows:

@@ -5,15 +5,16 @@ the synthetic task so that RL has signal (some answers right) and headroom (many
 wrong). Saved in Hugging Face format, so vLLM and transformers load it like any
 checkpoint.
 
-    python tiny.py            # the model's directory: weights/tiny, shipped with the repository
-    python tiny.py --rebuild  # build it yourself from the recipe (~1.5 min), print its directory
+    python tools/tiny.py            # the model's directory: weights/tiny, shipped with the repository
+    python tools/tiny.py --rebuild  # build it yourself from the recipe (~1.5 min), print its directory
 
 The repository ships the warm-started weights (weights/tiny, 3 MB): the same recipe
 gives a different model on a different processor, and every newcomer should start
-from the README's numbers. A build is cached under out/tiny-<hash>/, where the hash
-covers the recipe below and the code that makes the data and the model; the
-shipped weights are used only while their hash is the current one, so changing
-either builds a new model (ship it again: copy the build to weights/tiny).
+from the README's numbers: `--model tiny` is weights/tiny (preflight.PRESET_MODELS).
+A build is cached under out/tiny-<hash>/, where the hash covers the recipe below and
+the code that makes the data and the model (train.py --model out/tiny-<hash> uses
+it); a test fails while the shipped weights' hash is not the current one, so
+changing either means shipping a new build (copy it to weights/tiny).
 """
 
 import hashlib
@@ -23,7 +24,11 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the lesson's modules (data, ...), wherever this is run from
 
 RECIPE = dict(
     hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384, max_pos=512,
@@ -116,7 +121,7 @@ def shipped():
     newcomer starts from the same weights. Rebuilding it from the recipe gives a
     different model on a different processor (floating point: 57-69% greedy pass@1
     on two x86-64 CPUs of the same kind, README). None if it is not this recipe's."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "tiny")
+    path = os.path.join(ROOT, "weights", "tiny")
     try:
         with open(os.path.join(path, "recipe.json")) as f:
             return path if json.load(f).get("recipe_hash") == recipe_hash() else None
@@ -158,5 +163,4 @@ def publish(tmp, path, recipe):
 
 
 if __name__ == "__main__":
-    import sys
     print(tiny_model_dir(rebuild="--rebuild" in sys.argv))

@@ -1,4 +1,4 @@
-# tests for pace.py (the pool policies). run: python -m pytest -q test_pace.py  (a few seconds, CPU only)
+# tests for pace.py (the pool policies). run: python -m pytest -q tests/test_pace.py  (a few seconds, CPU only)
 import random
 
 import pytest

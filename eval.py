@@ -22,9 +22,12 @@ def eval_prompts(tokenizer, problems, dataset):
             for p in problems]
 
 
-def pass_at_1(completions, problems, dataset):
+def pass_at_1(completions, problems, dataset, truncated=None):
+    """Share of problems answered right; an answer cut at the length cap (truncated) is wrong."""
     from reward import score
-    return sum(score(c, p["answer"], dataset) for c, p in zip(completions, problems)) / max(1, len(problems))
+    truncated = truncated or [False] * len(completions)
+    return sum(score(c, p["answer"], dataset) * (not cut)
+               for c, p, cut in zip(completions, problems, truncated)) / max(1, len(problems))
 
 
 def main():
@@ -57,8 +60,10 @@ def main():
     llm = LLM(model=model, seed=0, dtype=dtype, max_model_len=max_len)
     prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
     outs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=max_new), use_tqdm=True)
-    acc = pass_at_1([o.outputs[0].text for o in outs], problems, args.dataset)
-    print(f"pass@1 {acc:.4f} on {len(problems)} {args.dataset} test problems ({model})")
+    truncated = [o.outputs[0].finish_reason == "length" for o in outs]
+    acc = pass_at_1([o.outputs[0].text for o in outs], problems, args.dataset, truncated)
+    print(f"pass@1 {acc:.4f} on {len(problems)} {args.dataset} test problems ({model}); "
+          f"{sum(truncated)} answers cut at --max-new-tokens {max_new} (counted wrong)")
 
 
 if __name__ == "__main__":

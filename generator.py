@@ -113,11 +113,16 @@ class Rollout:
         return f"{self.sample_id}.{self.attempt}"
 
     def record(self, token_ids, logprobs, version, step, t0, t1):
-        """Tokens of engine step `step` (which ran from t0 to t1) under `version`."""
+        """Tokens of engine step `step` (which ran from t0 to t1) under `version`. Returns
+        the tokens whose KV this step rebuilt (recompute), 0 if it rebuilt none."""
+        rebuilt = 0
         if self.kv_version is None:  # this step was the (unchunked) prefill
             self.kv_version = version
             kind = "recompute" if self.tokens else "prompt"
             self.prefills.append([t0, t1, version, len(self.prompt_ids) + len(self.tokens), kind])
+            if self.tokens:  # counted when the prefill runs: an answer re-submitted twice before it ran, once
+                rebuilt = len(self.prompt_ids) + len(self.tokens)
+                self.recomputed += rebuilt
         stale = self.kv_version < version
         for tok, lp in zip(token_ids, logprobs):
             self.tokens.append(tok)
@@ -130,6 +135,7 @@ class Rollout:
         else:
             self.segments.append([t0, t1, version, len(token_ids), stale])
         self.last_step = step
+        return rebuilt
 
     def to_sample(self, finish_reason):
         """The sample as it crosses the queue: numpy arrays, which pickle through the
@@ -249,10 +255,12 @@ class Generator:
             detokenize=False, output_kind=RequestOutputKind.DELTA)
         self.version = self.start_version = cfg["start_version"]  # > 0 when resuming
         self.inflight = {}  # request id -> Rollout
-        self.next_group = self.start_group = cfg["start_group"]  # data position
+        self.next_group = self.start_group = cfg["start_group"]  # data position (pace.Pool.position)
+        self.skip = set(cfg.get("skip_groups", ()))  # groups after it already consumed or rejected (resume)
         self.admitting = True  # drain turns this off while it finishes old answers
         self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
                           recomputed_tokens=0, loads=0, preempted=0)
+        self.stats.update(cfg.get("start_stats") or {})  # resume: the run's counters at its checkpoint
         # requests in the engine at once (training + eval): at most what its KV cache holds
         self.kv_answers = min(cfg["max_num_seqs"], kv_capacity(engine, cfg["max_model_len"])[0])
         watch_preemptions(engine, self.preempted)
@@ -310,8 +318,9 @@ class Generator:
 
     def may_admit(self):
         """AReaL's staleness bound: at most (version + max_lag + 1) batches ever
-        admitted, so nothing admitted now is consumed more than max_lag versions
-        after the weights that started it. Groups the trainer's pool rejects
+        admitted; the trainer takes groups in admission order (pace.Pool), so nothing
+        admitted now is consumed more than max_lag versions after the weights that
+        started it. Groups the trainer's pool rejects
         (--pool pace) still count: their places are not admitted again, so each
         rejection shrinks the backlog for good. (Giving them back was tried: the
         generator refilled the pool to the bound every step and PACE then rejected
@@ -324,10 +333,12 @@ class Generator:
     def admit(self):
         while self.may_admit():
             g = self.next_group
+            self.next_group += 1
+            if g in self.skip:  # consumed or rejected before the run was resumed
+                continue
             pid = g % len(self.prompts)  # the problem list is already shuffled
             for i in range(self.cfg["group_size"]):
                 self.submit(Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"]))
-            self.next_group += 1
 
     def step(self):
         """One engine step; finished answers go to the outbox."""
@@ -335,15 +346,15 @@ class Generator:
         outputs = self.engine.step()
         t1, self.steps = time.time(), self.steps + 1
         for out in outputs:
-            if out.request_id in self.eval_out:
-                self.eval_out[out.request_id] = list(out.outputs[0].token_ids)
+            if out.request_id in self.eval_out:  # FINAL_ONLY: one output, when it is done
+                self.eval_out[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
                 continue
             r = self.inflight.get(out.request_id)
             if r is None:  # output of a request aborted this step
                 continue
             c = out.outputs[0]
             lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
-            r.record(c.token_ids, lps, self.version, self.steps, t0, t1)
+            self.stats["recomputed_tokens"] += r.record(c.token_ids, lps, self.version, self.steps, t0, t1)
             self.stats["gen_tokens"] += len(c.token_ids)
             if out.finished:
                 del self.inflight[out.request_id]
@@ -353,9 +364,10 @@ class Generator:
         self.stats["gen_busy_s"] += time.time() - t0
 
     def evaluate(self, prompts, max_tokens):
-        """Greedy answers under the weights loaded now. Training answers in flight
-        share these steps; no weights load until the evaluation is done, so their
-        bookkeeping is unaffected."""
+        """Greedy answers under the weights loaded now, as (token ids, finish reason)
+        ("stop" or "length": cut at max_tokens). Training answers in flight share these
+        steps; no weights load until the evaluation is done, so their bookkeeping is
+        unaffected."""
         from tqdm import tqdm
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -364,7 +376,7 @@ class Generator:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         ids = [f"eval{self.version}-{i}" for i in range(len(prompts))]
-        todo, self.eval_out = list(zip(ids, prompts)), {}  # eval id -> token ids, None while running
+        todo, self.eval_out = list(zip(ids, prompts)), {}  # eval id -> (token ids, reason), None while running
         with tqdm(total=len(ids), desc=f"eval v{self.version}", leave=False) as bar:
             while todo or None in self.eval_out.values():
                 # add eval requests only while the KV cache has room for them (kv_capacity)
@@ -487,7 +499,7 @@ def run_generator(cfg, samples_q, control_q, trainer):
             pending = None
         if pending is None and evals:
             prompts, max_tokens = evals.pop(0)
-            outbox.append(("eval", dict(version=gen.version, token_ids=gen.evaluate(prompts, max_tokens))))
+            outbox.append(("eval", dict(version=gen.version, answers=gen.evaluate(prompts, max_tokens))))
         gen.admit()
         idle = not gen.inflight
         if idle:  # nothing to do: wait for weights (sync, max-lag) or for the trainer to drain the queue
@@ -559,7 +571,7 @@ class GeneratorHandle:
         self.proc = spawn_with_env(ctx, env, generator_main, (cfg, self.samples_q, self.control_q),
                                    daemon=True, name="inflight-generator")
         self.cfg, self.version = cfg, cfg["start_version"]
-        self.stats = {}  # the generator's cumulative counters, as the last sample carried them
+        self.stats = dict(cfg.get("start_stats") or {})  # the generator's counters, as the last sample carried them
         self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
         self.last_msg, self.last_event = (time.time(), "nothing yet"), None  # for stalled()'s report
         self.stall_report = None
@@ -593,15 +605,15 @@ class GeneratorHandle:
         return msg
 
     def evaluate(self, prompts, max_tokens):
-        """Greedy completions (token ids) of `prompts` under the generator's weights;
-        samples that arrive meanwhile are returned too, for the trainer's pool."""
+        """Greedy answers of `prompts` under the generator's weights, as (token ids, finish
+        reason); samples that arrive meanwhile are returned too, for the trainer's pool."""
         waves = 1 + len(prompts) // self.engine_info["admit_at_once"]  # what the engine holds at once
         timeout = self.stall_bound() * waves
         self.control_q.put(("eval", prompts, max_tokens))
         other = []
         while (msg := self.get(timeout)) is not None:
             if msg[0] == "eval":
-                return msg[1]["token_ids"], other
+                return msg[1]["answers"], other
             other.append(msg)
         self.stalled(timeout)
 

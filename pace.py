@@ -1,7 +1,19 @@
 """
-Pool policies: which finished GRPO groups a trainer step consumes, and which it drops.
+The trainer's pool: finished answers gather into GRPO groups, and each step takes
+--prompts-per-step whole groups (Pool). Which groups, and which are dropped, is the
+pool policy.
 
-`fifo` consumes the groups that completed first and drops nothing. `pace` is our
+Groups are consumed in admission order (first admitted, first consumed): a step
+takes the oldest groups not yet taken, and waits for one whose answers are still
+being written rather than let later groups overtake it. That is what makes
+--max-lag a bound: the generator admits group g only once g < (versions loaded +
+max_lag + 1) x prompts_per_step (generator.Generator.may_admit), and taken in order,
+g is trained at most max_lag versions after the weights that started it. (AReaL
+and SkyRL bound admission the same way but consume in completion order, so a long
+answer overtaken by later ones can exceed the bound, which they count; TRL and
+prime-rl drop what exceeds it at consumption. Waiting costs trainer time instead.)
+
+`fifo` drops nothing. `pace` is our
 reading of PACE ("Where Does Staleness Accumulate? Pool Aware Effective Staleness
 Control for Asynchronous RL in LLM Post-Training"); only its abstract was available,
 so the formulas below are our interpretation, not the paper's code. The idea:
@@ -67,21 +79,77 @@ def _completed(group):
 
 
 def take_groups_fifo(pool, n):
-    """The pool policy: which finished groups this step consumes. FIFO (by the
-    time a group completed). pool: {group_id: [samples]}, complete groups only."""
-    ids = sorted(pool, key=lambda g: max(s["finished"] for s in pool[g]))[:n]
-    return [pool.pop(g) for g in ids]
+    """The n groups of `pool` admitted first (lowest group ids), removed from it.
+    pool: {group_id: [samples]}, complete groups only."""
+    return [pool.pop(g) for g in sorted(pool)[:n]]
 
 
-def take_groups_pace(pool, n, version, lam, target):
-    """Reject up to max(0, len(pool) - target) groups, highest effective staleness
-    first, never leaving fewer than n; then consume n FIFO among the survivors.
-    Returns (consumed, rejected), lists of groups; both are removed from pool."""
+def reject_stalest(pool, n, version, lam, target):
+    """PACE: reject up to max(0, len(pool) - target) groups, highest effective
+    staleness first, never leaving fewer than n. Returns them, removed from pool."""
     n_reject = min(max(0, len(pool) - target), max(0, len(pool) - n))
     eff = {g: effective_staleness(pool[g], version, lam) for g in pool}
     worst = sorted(pool, key=lambda g: (-eff[g], _completed(pool[g])))[:n_reject]
-    rejected = [pool.pop(g) for g in worst]
+    return [pool.pop(g) for g in worst]
+
+
+def take_groups_pace(pool, n, version, lam, target):
+    """reject_stalest, then the n groups admitted first among the survivors.
+    Returns (consumed, rejected), lists of groups; both are removed from pool."""
+    rejected = reject_stalest(pool, n, version, lam, target)
     return take_groups_fifo(pool, n), rejected
+
+
+class Pool:
+    """Finished answers, by group, until a step takes them. add() each answer as it
+    arrives; take(version) returns (consumed, rejected) groups once the step's groups,
+    the oldest not yet taken, are all complete, else None (the trainer then waits for
+    more answers). `position` is the oldest group not yet consumed or rejected, and
+    `done` the groups after it that are (PACE can reject a group ahead of an older one
+    still being written): a checkpoint saves both, so a resumed run regenerates
+    exactly the groups neither consumed nor rejected."""
+
+    def __init__(self, cfg, position=0, done=()):
+        self.cfg, self.position, self.done = cfg, position, set(done)
+        self.partial, self.complete, self.rejected = {}, {}, []  # group id -> answers; rejected groups
+
+    def add(self, sample):
+        g = self.partial.setdefault(sample["group_id"], [])
+        g.append(sample)
+        if len(g) == self.cfg["group_size"]:  # groups are consumed whole
+            self.complete[sample["group_id"]] = self.partial.pop(sample["group_id"])
+
+    def next_ids(self, n):
+        """The n oldest groups not yet consumed or rejected (complete or not)."""
+        ids, g = [], self.position
+        while len(ids) < n:
+            if g not in self.done:
+                ids.append(g)
+            g += 1
+        return ids
+
+    def take(self, version):
+        n = self.cfg["prompts_per_step"]
+        ids = self.next_ids(n)
+        if not all(g in self.complete for g in ids):
+            return None
+        if self.cfg["pool"] == "pace":  # the excess over the target goes, stalest first; then look again
+            target = self.cfg["pace_target"] or default_target(n)
+            rejected = reject_stalest(self.complete, n, version, self.cfg["pace_lambda"], target)
+            self.mark_done(grp[0]["group_id"] for grp in rejected)
+            self.rejected += rejected
+            if rejected:
+                return self.take(version)  # needs replacements if it rejected the step's groups
+        consumed = [self.complete.pop(g) for g in ids]
+        self.mark_done(ids)
+        rejected, self.rejected = self.rejected, []
+        return consumed, rejected
+
+    def mark_done(self, ids):
+        self.done |= set(ids)
+        while self.position in self.done:
+            self.done.remove(self.position)
+            self.position += 1
 
 
 def default_target(prompts_per_step):

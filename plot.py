@@ -31,7 +31,7 @@ import os
 
 COLOURS = {"starting": "white", "generating": "tab:green", "draining": "tab:orange", "loading": "tab:red", "idle": "lightgrey",
            "evaluating": "tab:purple", "training": "tab:blue", "syncing": "tab:red", "waiting": "lightgrey",
-           "saving": "tab:brown"}
+           "saving": "tab:brown", "done": "white", "stopped": "white"}  # stopped: a crash until --resume
 # one colour per weight version (cycled): tokens of v and v+1 must differ at a glance,
 # and from the process colours above
 VERSION_COLOURS = ["#E6A700", "#9E6BC8", "#2AA198", "#F06EAA", "#B5B528", "#56B4E9"]

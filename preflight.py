@@ -44,6 +44,12 @@ def check_config(cfg, presets):
               "max_num_seqs"):
         if cfg[k] is not None and cfg[k] < 1:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
+    if cfg["group_size"] < 2:
+        raise UsageError(f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "
+                         f"(one answer has no group std), got {cfg['group_size']}")
+    if not cfg["temperature"] > 0:
+        raise UsageError(f"--temperature must be > 0: the loss divides the logits by it (greedy decoding has no "
+                         f"sampling distribution to weight), got {cfg['temperature']}")
     if not 0 <= cfg["format_reward"] <= 1:
         raise UsageError(f"--format-reward must be in [0, 1] (a right answer earns 1), got {cfg['format_reward']}")
     if cfg["max_num_seqs"] is not None and cfg["max_num_seqs"] < cfg["group_size"]:

@@ -124,11 +124,7 @@ class Recompute:
         aborted = gen.abort_all()
         gen.load_weights(version, specs)
         for r in aborted:
-            if r.tokens:  # an answer not yet prefilled has nothing to rebuild
-                r.kv_version = None  # its KV is about to be written by v+1
-                n = len(r.prompt_ids) + len(r.tokens)
-                r.recomputed += n
-                gen.stats["recomputed_tokens"] += n
+            r.kv_version = None  # its KV is about to be written by v+1: Rollout.record counts it then
             gen.submit(r)
         return True
 

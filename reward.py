@@ -1,8 +1,10 @@
 """
 Rewards: score(completion, answer, dataset) is 1.0 when the completion's final answer is right, else 0.0.
 
-- synth / gsm8k: the model's answer is the first number after the last "####", else the one in the
-  last \\boxed{...}, else the last number in the text. It and the reference (gsm8k's text after
+- synth / gsm8k: the model's answer is the first number after the last "####"; else, if there is a
+  \\boxed{...}, the number in the last one (the box is final, as in Qwen2.5-Math's grader and
+  open-r1's: an empty box, or one without a number, is no answer, not a cue to look elsewhere);
+  else the last number in the text (lm-eval's "flexible-extract"). It and the reference (gsm8k's text after
   "#### ", e.g. "72" or "1,000") lose commas, "$", "%", whitespace and a trailing "." and compare
   as decimals when both parse: "1,234" == "1234", "12.0" == "12", "$-3." == "-3".
 - math: the content of the last \\boxed{...} against the reference LaTeX (MATH-500's `answer`), by
@@ -10,9 +12,11 @@ Rewards: score(completion, answer, dataset) is 1.0 when the completion's final a
 
 Any completion text gives 0.0 or 1.0, never an exception or a hang (an unknown dataset is a ValueError).
 
-reward(..., format_weight=w) is what the trainer uses: score(), except that a wrong answer which at
-least puts something in a \\boxed{} earns w (DeepSeek-R1's format reward; train.py --format-reward,
-default 0, so reward == score). A model that rarely boxes its answer (smol) learns to.
+reward(..., format_weight=w, truncated=False) is what the trainer uses: score(), except that a wrong
+answer whose last \\boxed{} holds an answer (a number for synth/gsm8k, anything for math) earns w
+(DeepSeek-R1's format reward; train.py --format-reward, default 0, so reward == score), and an
+answer cut off at the length cap earns 0 whatever it says: it never finished, so a number in it is
+not its answer (train.py --truncated).
 """
 
 import ctypes
@@ -32,12 +36,16 @@ TIMEOUT_S = 5.0  # per math answer (math-verify's default); real answers take mi
 
 
 def final_number(text):
-    hashes = text.rsplit("####", 1)[1] if "####" in text else ""
-    for part in (hashes, last_boxed(text) or ""):  # "####" beats \boxed beats the last number
-        if m := NUMBER.search(part):
-            return m.group()
-    found = NUMBER.findall(text)
-    return found[-1] if found else None
+    """The answer's number: after the last "####", else in the last \\boxed{}, else the last one."""
+    if "####" in text:
+        part = text.rsplit("####", 1)[1]
+    elif (box := last_boxed(text)) is not None:
+        part = box
+    else:
+        found = NUMBER.findall(text)
+        return found[-1] if found else None
+    m = NUMBER.search(part)
+    return m.group() if m else None
 
 
 def normalise(s):
@@ -107,5 +115,13 @@ def score(completion, answer, dataset):
     raise ValueError(f"unknown dataset {dataset!r}, expected synth, gsm8k or math")
 
 
-def reward(completion, answer, dataset, format_weight=0.0):
-    return max(score(completion, answer, dataset), format_weight * (last_boxed(completion) is not None))
+def boxed_answer(completion, dataset):
+    """Whether the last \\boxed{} holds an answer: a number (synth, gsm8k) or any text (math)."""
+    box = last_boxed(completion)
+    return box is not None and (bool(box.strip()) if dataset == "math" else bool(NUMBER.search(box)))
+
+
+def reward(completion, answer, dataset, format_weight=0.0, truncated=False):
+    if truncated:
+        return 0.0
+    return max(score(completion, answer, dataset), format_weight * boxed_answer(completion, dataset))

@@ -6,8 +6,10 @@ It protects the user from:
 - losing what was logged when the run crashes (RunLog: every line flushed whole);
 - a crash while saving that leaves no checkpoint, or half of one (save_checkpoint
   writes ckpt.tmp/ and renames; recover_checkpoint finds the complete one);
-- a resumed run that shows some steps twice (cut_logs: the logs are cut back to the
-  checkpoint, and what the dead run wrote after it is kept in side files);
+- a resumed run that shows some steps or answers twice, or loses groups (cut_logs: the
+  logs are cut back to the checkpoint, and what the dead run wrote after it is kept in
+  side files; the checkpoint keeps which groups were consumed or rejected, so exactly
+  the others are generated again);
 - optimizer state saved on one device layout that will not load on another
   (load_trainer_state).
 
@@ -23,7 +25,7 @@ import time
 
 from data import UsageError
 
-LOGS = ("metrics.jsonl", "events.jsonl")
+LOGS = ("metrics.jsonl", "events.jsonl", "answers.jsonl")
 
 
 def resume_config(run, steps, defaults):
@@ -37,6 +39,7 @@ def resume_config(run, steps, defaults):
     done = load_trainer_state(run)["step"]
     if (steps or cfg["steps"]) <= done:  # it would start, do nothing and stop
         raise UsageError(f"--resume {run}: its checkpoint is at step {done}; pass --steps above {done} to go on")
+    cfg.setdefault("schedule_steps", cfg["steps"])  # the lr schedule's length, as first planned
     # out: the directory as given now, wherever the run was started from
     cfg.update(resume=run, out=run, steps=steps or cfg["steps"])
     return cfg
@@ -77,31 +80,29 @@ class RunLog:
         self.answers_f.flush()
 
 
-def write_ledger(cfg, t_start, start_step, gen_stats):
-    """The wasted-work ledger of this session (from t_start): where the generated
-    tokens went, and each process's wall-clock by activity (events.jsonl), as shares.
-    generated = trained + discarded + rejected + left over (in the pool or in flight
-    at the end); recomputed tokens were prefilled again, not generated."""
+def write_ledger(cfg, gen_stats):
+    """The wasted-work ledger of the run (every session of it, when it was resumed):
+    where the generated tokens went, and each process's wall-clock by activity
+    (events.jsonl), as shares of the time after start-up. generated = trained +
+    discarded + rejected + left over (in the pool or in flight at the end, or lost
+    when a run died after its checkpoint); recomputed tokens were prefilled again, not
+    generated. gen_stats: the generator's counters, which a resumed run continues."""
     from plot import activity_spans, read_jsonl
-    steps = [m for m in read_jsonl(os.path.join(cfg["out"], "metrics.jsonl")) if m["step"] > start_step
-             and "trained_tokens" in m]
+    steps = [m for m in read_jsonl(os.path.join(cfg["out"], "metrics.jsonl")) if "trained_tokens" in m]
     tok = dict(generated=gen_stats.get("gen_tokens", 0), trained=sum(m["trained_tokens"] for m in steps),
                discarded=gen_stats.get("discarded_tokens", 0),
                rejected=sum(m.get("rejected_tokens", 0) for m in steps))
     tok["left_over"] = tok["generated"] - tok["trained"] - tok["discarded"] - tok["rejected"]
     tok["recomputed"] = gen_stats.get("recomputed_tokens", 0)
-    events = [e for e in read_jsonl(os.path.join(cfg["out"], "events.jsonl")) if e["t"] >= t_start]
-    # shares of the time after start-up (the engine's start dominates short CPU runs)
-    ready = min([e["t"] for e in events if e["proc"] == "trainer" and e.get("what", "starting") != "starting"]
-                or [t_start])
-    end = max([e["t"] for e in events] or [t_start])
-    secs = {}
-    for proc, what, t0, t1 in activity_spans(events):
-        if what not in ("starting", "done") and min(t1, end) > max(t0, ready):
+    secs, startup, total = {}, 0.0, 0.0
+    for proc, what, t0, t1 in activity_spans(read_jsonl(os.path.join(cfg["out"], "events.jsonl"))):
+        if what == "starting" and proc == "trainer":  # the engine's start dominates short CPU runs
+            startup += t1 - t0
+        elif what not in ("starting", "done", "stopped"):  # stopped: between a crash and --resume
             secs.setdefault(proc, {}).setdefault(what, 0.0)
-            secs[proc][what] += min(t1, end) - max(t0, ready)
-    total = end - ready
-    led = dict(tokens=tok, seconds=secs, total_s=total, startup_s=ready - t_start)
+            secs[proc][what] += t1 - t0
+            total += (t1 - t0) * (proc == "trainer")  # the trainer's activities tile the run
+    led = dict(tokens=tok, seconds=secs, total_s=total, startup_s=startup)
     with open(os.path.join(cfg["out"], "ledger.json"), "w") as f:
         json.dump(led, f, indent=1)
     g = max(1, tok["generated"])
@@ -111,13 +112,15 @@ def write_ledger(cfg, t_start, start_step, gen_stats):
           + f"; {tok['recomputed']:,} prefilled again (recompute)")
     for proc, d in secs.items():
         shares = sorted(d.items(), key=lambda x: -x[1])
-        print(f"  {proc:9s} {total:.0f} s after {ready - t_start:.0f} s of start-up: "
+        print(f"  {proc:9s} {total:.0f} s after {startup:.0f} s of start-up: "
               + ", ".join(f"{w} {100 * s / max(total, 1e-9):.0f}%" for w, s in shares))
     return led
 
 
-def save_checkpoint(cfg, model, tokenizer, opt, step, version, data_position):
-    """HF-format model + tokenizer, plus what --resume needs, in ckpt/. Safe against
+def save_checkpoint(cfg, model, tokenizer, opt, progress):
+    """HF-format model + tokenizer, plus what --resume needs, in ckpt/: the optimizer,
+    the RNGs and `progress` (step, version, the pool's position and the groups after it
+    already done, the generator's counters). Safe against
     a crash at any point (not against a power cut: nothing is fsynced, which would
     cost seconds per GB): everything is written to ckpt.tmp/, trainer_state.pt last,
     and only a complete ckpt.tmp/ is renamed to ckpt/. So ckpt/ is complete whenever
@@ -132,8 +135,8 @@ def save_checkpoint(cfg, model, tokenizer, opt, step, version, data_position):
     tokenizer.save_pretrained(tmp)
     log_sizes = {name: os.path.getsize(os.path.join(cfg["out"], name)) for name in LOGS
                  if os.path.exists(os.path.join(cfg["out"], name))}  # lines are flushed whole: a line boundary
-    torch.save(dict(opt=opt.state_dict(), step=step, version=version, data_position=data_position,
-                    log_sizes=log_sizes, rng=dict(torch=torch.get_rng_state(), python=random.getstate())),
+    torch.save(dict(opt=opt.state_dict(), **progress, log_sizes=log_sizes, saved_t=time.time(),
+                    rng=dict(torch=torch.get_rng_state(), python=random.getstate())),
                os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)  # a leftover of a save that died after its last rename
@@ -165,7 +168,7 @@ def recover_checkpoint(run):
 
 def cut_logs(out, state):
     """--resume: cut the logs back to their size when the checkpoint was saved, so
-    each step appears once; what the dead run logged after it moves to
+    each step and each answer appears once; what the dead run logged after it moves to
     <name>.cut-<time>.jsonl. Returns wall_s at the checkpoint, for the resumed run's
     clock to continue from."""
     for name, size in state.get("log_sizes", {}).items():
@@ -181,6 +184,9 @@ def cut_logs(out, state):
             os.truncate(path, size)
             print(f"resume: {lines} lines of {name} written after the step-{state['step']} "
                   f"checkpoint moved to {side}", file=sys.stderr)
+    with open(os.path.join(out, "events.jsonl"), "a") as f:  # the gap until this restart is no activity
+        for proc in ("trainer", "generator"):
+            f.write(json.dumps(dict(t=state.get("saved_t", time.time()), proc=proc, what="stopped")) + "\n")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return max([json.loads(line).get("wall_s", 0.0) for line in f if line.strip()] or [0.0])
 

@@ -21,7 +21,7 @@ METRIC_KEYS = {"step", "wall_s", "version", "reward_mean", "loss", "trained_toke
                "lag_mean", "spanning_frac", "gen_tok_per_s", "sync_s", "trainer_wait_s", "gen_idle_s",
                "discarded_tokens", "recomputed_tokens"}
 ACTIVITIES = {"starting", "generating", "draining", "loading", "idle", "evaluating", "training", "syncing",
-              "waiting", "saving", "done"}
+              "waiting", "saving", "done", "stopped"}
 SMALL = ["--eval-every", "3", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4",
          "--synth-steps", "6", "--max-new-tokens", "64"]
 
@@ -56,7 +56,11 @@ def check_run(run, regime, steps):
     for m in metrics:
         assert METRIC_KEYS <= set(m), METRIC_KEYS - set(m)
         assert m["trained_tokens"] > 0 and 0 <= m["reward_mean"] <= 1 and 0 <= m["boxed_frac"] <= 1
+        assert 0 <= m["truncated_frac"] <= 1 and 0 <= m["loss_tokens"] <= m["trained_tokens"]
+        assert m["lag_max"] <= (0 if regime == "sync" else cfg["max_lag"])
     assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
+    # an evaluation measures the weights pushed after its step: eval_version = version + 1
+    assert all(m["eval_version"] == m["version"] + 1 for m in metrics if "eval_acc" in m)
     assert [m["version"] for m in metrics] == list(range(steps))
     events = read(run, "events.jsonl")
     assert {e["proc"] for e in events} == {"trainer", "generator"}

@@ -98,6 +98,9 @@ def parse_config(argv=None):
                         "default 16384, which fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)")
     p.add_argument("--format-reward", type=float, default=0.0,
                    help="reward of a wrong answer that puts something in a \\boxed{} (reward.py; 0: correctness only)")
+    p.add_argument("--truncated", default="zero", choices=["zero", "filter"],
+                   help="an answer cut at --max-new-tokens earns reward 0 (zero), and with filter is also left out "
+                        "of the loss (DAPO's overlong filtering)")
     p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="off-policy correction (see docstring)")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss ppo")
@@ -127,6 +130,9 @@ def parse_config(argv=None):
     args = p.parse_args(argv)
     if args.resume:  # the saved config wins; only --steps may grow
         cfg = resume_config(args.resume, args.steps, defaults=vars(p.parse_args([])))
+        if cfg["lr_schedule"] == "cosine" and cfg["steps"] > cfg["schedule_steps"]:
+            raise UsageError(f"--resume {args.resume} --steps {cfg['steps']}: its cosine schedule reaches lr 0 at step "
+                             f"{cfg['schedule_steps']}; a run with --lr-schedule constant can be extended")
         return {**cfg, **{k: v for k, v in BASE.items() if cfg[k] is None}}
     cfg = vars(args)
     for k, v in {**BASE, **PRESETS.get(cfg["preset"], {})}.items():
@@ -134,6 +140,7 @@ def parse_config(argv=None):
     for k, v in DEFAULTS[cfg["dataset"]].items():
         cfg[k] = v if cfg[k] is None else cfg[k]
     check_config(cfg, PRESETS)
+    cfg["schedule_steps"] = cfg["steps"]  # the lr schedule's length: --resume keeps it
     cfg["out"] = cfg["out"] or os.path.join("out", f"{cfg['regime']}-{cfg['dataset']}-s{cfg['seed']}-{time.strftime('%m%d-%H%M%S')}")
     return cfg
 
@@ -149,7 +156,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from eval import eval_prompts, pass_at_1
     from generator import GeneratorHandle
-    from pace import default_target, pool_stats, take_groups_fifo, take_groups_pace
+    from pace import Pool, pool_stats
     from reward import reward
 
     env = prepare(cfg)  # devices, the model's directory, the generator's settings
@@ -159,11 +166,15 @@ def main(argv=None):
     device = cfg["train_device"]
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
-    start_step, version, data_position = 0, 0, 0
+    # what a checkpoint saves of the run's progress (rundir.save_checkpoint): zero at the start
+    progress = dict(step=0, version=0, data_position=0, done_groups=[], gen_stats={})
     if cfg.get("resume"):
         state = load_trainer_state(cfg["resume"])
-        start_step, version, data_position = state["step"], state["version"], state["data_position"]
-        cfg.update(model_path=os.path.join(cfg["resume"], "ckpt"), start_version=version, start_group=data_position)
+        progress = {k: state.get(k, v) for k, v in progress.items()}
+        cfg.update(model_path=os.path.join(cfg["resume"], "ckpt"), start_version=progress["version"],
+                   start_group=progress["data_position"], skip_groups=progress["done_groups"],
+                   start_stats=progress["gen_stats"])
+    start_step, version = progress["step"], progress["version"]
     os.makedirs(cfg["out"], exist_ok=True)
     with open(os.path.join(cfg["out"], "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
@@ -193,8 +204,8 @@ def main(argv=None):
     if problem := check_kv_plan(cfg, gen.engine_info):
         gen.stop()
         sys.exit(problem)
-    pool, partial = {}, {}  # complete groups; groups still missing answers
-    last_stats, last_t = {}, time.time()
+    pool = Pool(cfg, progress["data_position"], progress["done_groups"])  # finished answers, by group (pace.py)
+    last_stats, last_t = dict(gen.stats), time.time()
     eval_prompt_ids = eval_prompts(tokenizer, test, cfg["dataset"])
 
     def intake(msg):
@@ -203,47 +214,47 @@ def main(argv=None):
         if kind == "event":
             log.event(item)
         elif kind == "sample":
-            g = partial.setdefault(item["group_id"], [])
-            g.append(item)
-            if len(g) == cfg["group_size"]:  # groups are consumed whole
-                pool[item["group_id"]] = partial.pop(item["group_id"])
+            pool.add(item)
 
     def evaluate():
+        """Greedy pass@1 of the generator's weights; an answer cut at the length cap is wrong."""
         log.trainer("evaluating")
-        token_ids, other = gen.evaluate(eval_prompt_ids, cfg["max_new_tokens"])
-        for m in other:  # answers that finished meanwhile
+        answers, other = gen.evaluate(eval_prompt_ids, cfg["max_new_tokens"])
+        for m in other:  # training answers that finished meanwhile
             intake(m)
-        return pass_at_1(tokenizer.batch_decode(token_ids, skip_special_tokens=True), test, cfg["dataset"])
+        texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
+        truncated = [reason == "length" for _, reason in answers]
+        return dict(eval_acc=pass_at_1(texts, test, cfg["dataset"], truncated),
+                    eval_truncated_frac=sum(truncated) / len(truncated))
 
     try:
         if cfg["eval_every"] and start_step == 0:
-            acc = evaluate()
-            log.metric(dict(step=0, wall_s=round(time.time() - t_start, 2), version=version, eval_acc=acc))
-            print(f"step 0 | eval acc {acc:.3f}", flush=True)
+            m = dict(step=0, wall_s=0.0, version=version, **evaluate(), eval_version=version)
+            log.metric(dict(m, wall_s=round(time.time() - t_start, 2)))
+            print(f"step 0 | eval v0 {m['eval_acc']:.3f}", flush=True)
         for step in range(start_step + 1, cfg["steps"] + 1):
-            # 1. intake: wait for enough complete groups, then the pool policy picks the batch
+            # 1. intake: the oldest groups not yet trained, once all their answers are in (pace.Pool)
             log.trainer("waiting")
             t0 = time.time()
-            while len(pool) < cfg["prompts_per_step"]:
-                intake(gen.next())  # a generator that stays silent too long is stopped (stall_bound)
-            while (msg := gen.get(timeout=0)) is not None:  # whatever else already arrived
+            while (msg := gen.get(timeout=0)) is not None:  # whatever already arrived
                 intake(msg)
+            while (taken := pool.take(version)) is None:
+                intake(gen.next())  # a generator that stays silent too long is stopped (stall_bound)
+            batch_groups, rejected = taken
             trainer_wait_s = time.time() - t0
-            if cfg["pool"] == "pace":
-                target = cfg["pace_target"] or default_target(cfg["prompts_per_step"])
-                batch_groups, rejected = take_groups_pace(pool, cfg["prompts_per_step"], version,
-                                                          cfg["pace_lambda"], target)
-            else:
-                batch_groups, rejected = take_groups_fifo(pool, cfg["prompts_per_step"]), []
             log.answers(batch_groups, rejected, step)
             batch = [s for g in batch_groups for s in g]
 
-            # 2. rewards and group-normalised advantages
+            # 2. rewards and group-normalised advantages; an answer cut at the length cap earns 0
             log.trainer("training")
             texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in batch], skip_special_tokens=True)
-            rewards = torch.tensor([reward(t, s["answer"], cfg["dataset"], cfg["format_reward"])
-                                    for t, s in zip(texts, batch)])
-            adv = advantages(rewards, cfg["group_size"]).to(device)
+            truncated = torch.tensor([s["finish_reason"] == "length" for s in batch])
+            rewards = torch.tensor([reward(t, s["answer"], cfg["dataset"], cfg["format_reward"], bool(cut))
+                                    for t, s, cut in zip(texts, batch, truncated)])
+            adv = advantages(rewards, cfg["group_size"])
+            if cfg["truncated"] == "filter":  # DAPO's overlong filtering: no gradient from a cut answer
+                adv[truncated] = 0.0
+            adv = adv.to(device)
 
             # 3. loss and one optimizer step (micro-batches accumulate into one gradient)
             model.train()
@@ -251,8 +262,7 @@ def main(argv=None):
                 group["lr"] = lr_at(cfg, step)
             opt.zero_grad(set_to_none=True)
             loss, behaviour_gap = train_step(cfg, model, batch, adv, device)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            grad_norm = optimizer_step(model, opt, loss)
 
             # 4. push the new weights to the generator (drain holds the push until its answers finish)
             log.trainer("syncing")
@@ -263,25 +273,27 @@ def main(argv=None):
             # 5. log what explains the run, evaluate the new weights, save
             now, stats = time.time(), dict(gen.stats)
             m = dict(step=step, wall_s=round(now - t_start, 2), version=version, reward_mean=rewards.mean().item(),
-                     loss=loss, behaviour_gap=behaviour_gap, sync_s=sync_s, trainer_wait_s=trainer_wait_s,
-                     stall_bound_s=round(gen.stall_bound(), 1),  # the watchdog's bound as it stands
+                     loss=loss, grad_norm=grad_norm, behaviour_gap=behaviour_gap, sync_s=sync_s,
+                     trainer_wait_s=trainer_wait_s, stall_bound_s=round(gen.stall_bound(), 1),
+                     truncated_frac=truncated.float().mean().item(),
                      boxed_frac=sum(last_boxed(t) is not None for t in texts) / len(batch),  # --format-reward's aim
-                     **batch_metrics(batch, version), **pool_stats(batch_groups, rejected, pool, version),
+                     **batch_metrics(batch, adv.cpu(), version), **pool_stats(batch_groups, rejected, pool.complete, version),
                      **generator_metrics(stats, last_stats, now - last_t),
                      **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}))
             last_stats, last_t, version = stats, now, new_version
-            data_position = max(data_position, 1 + max(g[0]["group_id"] for g in batch_groups))
             if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
-                m["eval_acc"] = evaluate()
+                m.update(evaluate(), eval_version=version)  # the weights just pushed: v+1
             log.metric(m)
             print(f"step {step} | v{m['version']} | reward {m['reward_mean']:.3f}"
-                  + (f" | eval {m['eval_acc']:.3f}" if "eval_acc" in m else "")
+                  + (f" | eval v{version} {m['eval_acc']:.3f}" if "eval_acc" in m else "")
                   + f" | stale {100 * m['stale_token_frac']:.1f}% | lag {m['lag_mean']:.2f}"
                   + f" | {m['gen_tok_per_s']:.0f} tok/s | sync {sync_s:.2f}s | idle {m['gen_idle_s']:.2f}s"
                   + f" | wait {trainer_wait_s:.2f}s", flush=True)
             if step == cfg["steps"] or cfg["save_every"] and step % cfg["save_every"] == 0:
                 log.trainer("saving")
-                save_checkpoint(cfg, model, tokenizer, opt, step, version, data_position)
+                save_checkpoint(cfg, model, tokenizer, opt, dict(
+                    step=step, version=version, data_position=pool.position, done_groups=sorted(pool.done),
+                    gen_stats=stats))
         log.trainer("done")
     except KeyboardInterrupt:
         print("interrupted: stopping the generator", file=sys.stderr)
@@ -289,7 +301,7 @@ def main(argv=None):
     finally:
         gen.stop()
     print(f"done in {time.time() - t_start:.0f}s: {cfg['out']}")
-    write_ledger(cfg, t_start, start_step, gen.stats)
+    write_ledger(cfg, gen.stats)
     if not cfg["no_plot"]:
         from plot import plot_run
         print("plot:", plot_run(cfg["out"]))
@@ -406,26 +418,56 @@ def grpo_loss(cfg, logp, behaviour, adv):
 
 
 def lr_at(cfg, step):
-    """Linear warmup, then constant or cosine decay to 0 at the last step."""
+    """Linear warmup, then constant or cosine decay to 0 at the run's last step (as first
+    planned: a resumed run keeps the schedule it started with)."""
     lr = cfg["lr"] * min(1.0, step / max(1, cfg["warmup_steps"]))
     if cfg["lr_schedule"] == "cosine":
-        lr *= 0.5 * (1 + math.cos(math.pi * (step - 1) / cfg["steps"]))
+        lr *= 0.5 * (1 + math.cos(math.pi * (step - 1) / cfg.get("schedule_steps", cfg["steps"])))
     return lr
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def optimizer_step(model, opt, loss):
+    """Clip the gradient to norm 1 and take one AdamW step; returns the norm before
+    clipping. A parameter with no gradient (every answer's advantage was 0, so
+    train_step ran nothing) gets a zero one: every step is the same AdamW step whether
+    or not its answers ran (the moments decay; the weights move by momentum alone). A
+    non-finite loss or gradient stops the run before the weights change or reach the
+    generator."""
+    import torch
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()  # a CPU-GPU sync point
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        raise TrainingDiverged(f"loss {loss}, gradient norm {norm}: not finite; stopped before the optimizer "
+                               "step (lower --lr, or look at the step's behaviour_gap for broken logprobs)")
+    opt.step()
+    return norm
 
 # -----------------------------------------------------------------------------
 # what a step logs (metrics.jsonl; DESIGN.md's contract)
 
 
-def batch_metrics(batch, version):
+def batch_metrics(batch, adv, version):
     """Where the trained tokens came from: stale KV, how many versions old, answers
-    spanning versions. `version`: the weights this step trains."""
+    spanning versions, over every token the step consumed (trained_tokens: DESIGN.md's
+    contract); and the same over the tokens the loss saw (loss_*: answers whose
+    advantage is not 0). `version`: the weights this step trains."""
     import torch
     versions = torch.cat([s["versions"] for s in batch])
+    stale = torch.cat([s["stale"] for s in batch])
+    in_loss = torch.cat([(a != 0).expand(len(s["versions"])) for s, a in zip(batch, adv)])
     return dict(trained_tokens=len(versions), answer_len=len(versions) / len(batch),
-                stale_token_frac=torch.cat([s["stale"] for s in batch]).float().mean().item(),
+                stale_token_frac=stale.float().mean().item(),
                 lag_mean=(version - versions.float()).mean().item(), lag_max=(version - versions).max().item(),
                 spanning_frac=sum(int(s["versions"].min() != s["versions"].max()) for s in batch
-                                  if len(s["versions"])) / len(batch))
+                                  if len(s["versions"])) / len(batch),
+                loss_tokens=int(in_loss.sum()), loss_stale_token_frac=stale[in_loss].float().mean().nan_to_num(0).item(),
+                loss_lag_mean=(version - versions[in_loss].float()).mean().nan_to_num(0).item())
 
 
 def generator_metrics(stats, prev, seconds):
@@ -448,5 +490,5 @@ if __name__ == "__main__":
     except UsageError as e:  # a user's mistake: one line, no traceback
         print(f"train.py: {e}", file=sys.stderr)
         sys.exit(2)
-    except GeneratorDied as e:
+    except (GeneratorDied, TrainingDiverged) as e:
         sys.exit(f"train.py: {e}")

@@ -174,3 +174,55 @@ def test_engine_settings_and_no_preemption():
     while gen.inflight:
         gen.step()
     assert finished() == 16 and gen.stats["preempted"] > 0
+
+
+def test_recompute_counts_each_rebuild_once():
+    """recomputed_tokens counts the KV rebuilds the engine ran: two pushes so close that
+    the second lands before all of the first's re-prefills have run (a CPU engine step
+    prefills at most 2,048 tokens) count each rebuild once, equal to the prompt + partial
+    answer tokens vLLM's own scheduler prefilled for re-submitted answers. (Counted at
+    the switch, the answers aborted again before their rebuild ran were counted twice.)
+    The weights are not reloaded: only the bookkeeping is under test."""
+    from transformers import AutoTokenizer
+    from data import load_problems
+    from generator import Generator, make_engine
+    from regimes import Recompute
+    cfg = parse_config(["--regime", "recompute", "--out", "out/test", "--synth-steps", "8", "--max-new-tokens", "96",
+                        "--prompts-per-step", "12", "--group-size", "4", "--max-lag", "0"])
+    cores = os.sched_getaffinity(0)
+    env = prepare(cfg)
+    os.sched_setaffinity(0, cores)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env, INFLIGHT_GEN_CORES="")
+    try:
+        engine = make_engine(cfg)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    gen = Generator(cfg, engine, load_problems("synth", "train", n=16, steps=8),
+                    AutoTokenizer.from_pretrained(cfg["model_path"]), [])
+    gen.load_weights = lambda version, specs: setattr(gen, "version", version)
+    scheduler, rebuilt = engine.engine_core.engine_core.scheduler, []
+    schedule = scheduler.schedule
+
+    def counted(*args, **kwargs):  # the engine's own count: prefills of prompt + partial answer it scheduled
+        out = schedule(*args, **kwargs)
+        for req in out.scheduled_new_reqs:
+            r = gen.inflight.get(req.req_id.rsplit("-", 1)[0])  # vLLM 0.32 suffixes our id with "-<random>"
+            if r is not None and len(req.prompt_token_ids) > len(r.prompt_ids):
+                rebuilt.append(out.num_scheduled_tokens[req.req_id])
+        return out
+    scheduler.schedule = counted
+    gen.admit()
+    for _ in range(20):  # 48 answers, ~20 tokens each
+        gen.step()
+    at_switch = lambda: sum(len(r.prompt_ids) + len(r.tokens) for r in gen.inflight.values() if r.tokens)
+    naive = at_switch()
+    Recompute().switch(gen, 1, None)
+    gen.step()  # one step: some of the 48 rebuilds run, not all
+    naive += at_switch()
+    Recompute().switch(gen, 2, None)
+    while gen.inflight:
+        gen.step()
+    assert gen.stats["recomputed_tokens"] == sum(rebuilt) > 0
+    assert sum(rebuilt) < naive  # some answers were aborted again before their rebuild ran

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pace import (default_target, effective_staleness, generation_staleness, pool_stats,
+from pace import (Pool, default_target, effective_staleness, generation_staleness, pool_stats,
                   take_groups_fifo, take_groups_pace, waiting_staleness)
 
 PROPS = settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -21,11 +21,6 @@ def make_sample(group_id, versions, finished, recomputed=0):
 def make_group(group_id, versions, finished, size=2):
     """A group of `size` samples with the same versions, finishing at `finished`."""
     return [make_sample(group_id, versions, finished - 0.1 * i) for i in range(size)]
-
-
-def old_take_groups(pool, n):  # train.py's policy before pace.py, verbatim
-    ids = sorted(pool, key=lambda g: max(s["finished"] for s in pool[g]))[:n]
-    return [pool.pop(g) for g in ids]
 
 
 def ids(groups):
@@ -92,13 +87,64 @@ def test_never_rejects_below_what_the_step_needs():
     assert rejected == [] and len(consumed) == 3
 
 
-def test_fifo_unchanged_on_shuffled_pool():
+def test_fifo_is_admission_order_not_completion_order():
     rng = random.Random(0)
     items = [(g, make_group(g, [0, 1], rng.random(), size=rng.randint(1, 4))) for g in range(30)]
     rng.shuffle(items)
-    a, b = dict(items), dict(items)
-    assert ids(take_groups_fifo(a, 7)) == ids(old_take_groups(b, 7))
-    assert list(a) == list(b)
+    pool = dict(items)
+    assert ids(take_groups_fifo(pool, 7)) == list(range(7)) and sorted(pool) == list(range(7, 30))
+
+
+CFG = dict(prompts_per_step=2, group_size=2, pool="fifo", pace_target=None, pace_lambda=1.0)
+
+
+def feed(pool, group_id, finished):
+    for s in make_group(group_id, [0, 0], finished):
+        pool.add(s)
+
+
+def test_pool_waits_for_the_oldest_group():
+    """--max-lag holds because a long answer is not overtaken: groups 1-3 complete while
+    group 0 is still being written, and the step waits for group 0."""
+    pool = Pool(CFG)
+    for g in (1, 2, 3):
+        feed(pool, g, finished=float(g))
+    pool.add(make_group(0, [0, 0], 9.0)[0])  # one of group 0's two answers
+    assert pool.take(version=0) is None
+    pool.add(make_group(0, [0, 0], 9.0)[1])
+    consumed, rejected = pool.take(version=0)
+    assert ids(consumed) == [0, 1] and rejected == [] and pool.position == 2
+    assert ids(pool.take(version=1)[0]) == [2, 3] and pool.position == 4 and not pool.done
+
+
+def test_pace_pool_replaces_a_rejected_group_in_order():
+    """PACE rejects the stalest complete groups over its target; a rejected group of the
+    step is replaced by the next in admission order, waited for if need be; a checkpoint's
+    (position, done) skip exactly what was consumed or rejected."""
+    pool = Pool(dict(CFG, pool="pace", pace_target=2))
+    for g, versions in ((0, [0, 0]), (1, [1, 1]), (2, [1, 1]), (3, [1, 1])):
+        for s in make_group(g, versions, finished=float(g)):
+            pool.add(s)
+    consumed, rejected = pool.take(version=2)  # 4 complete, target 2: group 0 (the stalest) and one more go
+    assert len(rejected) == 2 and 0 in ids(rejected)
+    assert sorted(ids(consumed) + ids(rejected)) == [0, 1, 2, 3] and pool.position == 4
+    pool = Pool(dict(CFG, pool="pace", pace_target=1))
+    for g, versions in ((0, [0, 0]), (1, [2, 2]), (3, [2, 2])):  # group 2 still being written
+        for s in make_group(g, versions, finished=float(g)):
+            pool.add(s)
+    assert pool.take(version=2) is None  # 0 rejected (the stalest); the step is 1 and 2: waits for 2
+    assert (pool.position, pool.done) == (1, set())
+    for s in make_group(2, [2, 2], finished=5.0):
+        pool.add(s)
+    consumed, rejected = pool.take(version=2)  # 3 complete, target 1: one more goes (a tie: the first done)
+    assert ids(rejected) == [0, 1] and ids(consumed) == [2, 3] and pool.position == 4
+    pool = Pool(dict(CFG, pool="pace", pace_target=1))
+    for g, versions in ((0, [2, 2]), (1, [2, 2]), (3, [0, 0])):  # 3, ahead of 2, is the stalest
+        for s in make_group(g, versions, finished=float(g)):
+            pool.add(s)
+    consumed, rejected = pool.take(version=2)
+    assert ids(rejected) == [3] and ids(consumed) == [0, 1] and (pool.position, pool.done) == (2, {3})
+    assert Pool(CFG, pool.position, pool.done).next_ids(2) == [2, 4]  # what a resumed run generates next
 
 
 def test_default_target_and_stats():

@@ -24,7 +24,8 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 CASES = ["truncated line", "missing field", "missing file", "model path", "resume nothing", "resume no ckpt",
          "answer budget", "offline test split", "eval.py truncated line", "eval.py offline", "synth steps",
-         "preset dataset", "max num seqs", "format reward", "json object", "resume done", "eval.py answer budget"]
+         "preset dataset", "max num seqs", "format reward", "json object", "resume done", "eval.py answer budget",
+         "group size 1", "temperature 0", "resume past cosine"]
 
 
 def bad_input(case, tmp):
@@ -36,12 +37,12 @@ def bad_input(case, tmp):
     (tmp / "run_without_ckpt").mkdir()
     (tmp / "run_without_ckpt" / "config.json").write_text("{}")
     (tmp / "object.json").write_text(json.dumps({"question": "q", "answer": "#### 1"}))
-    if case == "resume done":  # a run whose checkpoint is at step 5 (the tiny model's weights as its model)
+    if case.startswith("resume "):  # a run of 10 steps whose checkpoint is at step 5 (the tiny model's weights)
         import shutil
         import torch
         shutil.copytree(os.path.join("weights", "tiny"), tmp / "run_done" / "ckpt")
         torch.save(dict(step=5), tmp / "run_done" / "ckpt" / "trainer_state.pt")
-        (tmp / "run_done" / "config.json").write_text(json.dumps({"steps": 5}))
+        (tmp / "run_done" / "config.json").write_text(json.dumps({"steps": 10, "lr_schedule": "cosine"}))
     gsm8k = ["--dataset", "gsm8k", "--eval-data-file", FIXTURE]
     train = ["train.py", "--out", str(tmp / "run"), "--no-plot"]
     evaluate = ["eval.py", "--model", "tiny", "--dataset", "gsm8k"]  # shares the loaders; its test flag: --data-file
@@ -63,6 +64,10 @@ def bad_input(case, tmp):
         "format reward": ([*train, "--format-reward", "1.5"], "--format-reward must be in [0, 1]"),
         "json object": ([*train, *gsm8k, "--data-file", str(tmp / "object.json")], "one array of objects"),
         "resume done": ([*train, "--resume", str(tmp / "run_done"), "--steps", "3"], "checkpoint is at step 5"),
+        "resume past cosine": ([*train, "--resume", str(tmp / "run_done"), "--steps", "20"],
+                               "cosine schedule reaches lr 0 at step 10"),
+        "group size 1": ([*train, "--group-size", "1", "--max-num-seqs", "64"], "--group-size must be >= 2"),
+        "temperature 0": ([*train, "--temperature", "0"], "--temperature must be > 0"),
         "eval.py answer budget": (["eval.py", "--model", "tiny", "--max-new-tokens", "600"], "lower it to"),
     }[case]
 
@@ -193,15 +198,46 @@ def session_left(pgid):
     return [p for p in psutil.process_iter() if _pgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_resume_after_kill_9_logs_each_step_once(tmp_path):
-    """kill -9 between two checkpoints, --resume: every step once, versions
-    consecutive, data position and version continued, lag never above --max-lag,
-    and what the dead run logged after its checkpoint kept in side files."""
+LONG_TAIL = ["--regime", "stale", "--synth-steps", "1-12", "--max-new-tokens", "160", "--max-lag", "1"]
+
+
+def check_groups(run, cfg, steps):
+    """answers.jsonl against the pool's promises: every answer once; a step takes the
+    oldest groups not yet taken, so with nothing rejected step k took groups
+    (k-1)P .. kP-1, whole; lag within --max-lag. Returns the answers."""
+    answers, P = read(run, "answers.jsonl"), cfg["prompts_per_step"]
+    assert len({a["sample_id"] for a in answers}) == len(answers) == steps * P * cfg["group_size"]
+    for k in range(1, steps + 1):
+        taken = sorted({a["group_id"] for a in answers if a["step"] == k})
+        assert taken == list(range((k - 1) * P, k * P)), (k, taken)
+    assert all(m["lag_max"] <= cfg["max_lag"] for m in read(run, "metrics.jsonl") if "lag_max" in m)
+    return answers
+
+
+def test_max_lag_bounds_lag_when_long_answers_are_overtaken(tmp_path):
+    """Long-tailed answers at --max-lag 1: groups admitted later finish before a group
+    with a long answer (checked: it happened), yet no trained token is more than one
+    version old. (Consumed by completion order, the same run gave lag_max 3-4.)"""
+    run = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "train.py", "--out", run, "--steps", "10", *SMALL, *LONG_TAIL],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    answers = check_groups(run, json.load(open(os.path.join(run, "config.json"))), 10)
+    done = {}
+    for a in answers:
+        done[a["group_id"]] = max(done.get(a["group_id"], 0), a["finished"])
+    assert any(done[g] > done[h] for g in done for h in done if h > g), "no group was overtaken: nothing tested"
+
+
+def test_resume_after_kill_9_loses_and_repeats_nothing(tmp_path):
+    """kill -9 between two checkpoints, --resume: every step once, versions consecutive,
+    every group consumed once and none lost (its answers once in answers.jsonl), the
+    ledger's tokens agreeing with answers.jsonl and metrics.jsonl, lag within --max-lag;
+    what the dead run logged after its checkpoint kept in side files."""
     import torch
     run = str(tmp_path / "run")
-    proc = start_train("--regime", "stale", "--out", run, "--steps", "1000", "--save-every", "4", "--max-lag", "2",
-                       *SMALL)
-    wait_for(proc, "step 5 ")  # the checkpoint is step 4's; step 5 is logged, 8 is far
+    proc = start_train("--out", run, "--steps", "1000", "--save-every", "3", *SMALL, *LONG_TAIL)
+    wait_for(proc, "step 5 ")  # the checkpoint is step 3's; steps 4 and 5 are logged, 6 is far
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     deadline = time.time() + 30
@@ -209,26 +245,30 @@ def test_resume_after_kill_9_logs_each_step_once(tmp_path):
         time.sleep(0.5)
     assert not session_left(proc.pid)
     state = torch.load(os.path.join(run, "ckpt", "trainer_state.pt"), weights_only=False)
-    assert state["step"] == 4 and state["version"] == 4
+    assert state["step"] == 3 and state["version"] == 3 and state["data_position"] == 12
     logged = [m["step"] for m in read(run, "metrics.jsonl")]
     assert logged[:5] == [1, 2, 3, 4, 5]  # the dead run got past its checkpoint
 
-    r = subprocess.run([sys.executable, "train.py", "--resume", run, "--steps", "9"], capture_output=True,
+    r = subprocess.run([sys.executable, "train.py", "--resume", run, "--steps", "8"], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     metrics = read(run, "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 10))
-    assert [m["version"] for m in metrics] == list(range(9))
-    assert all(m["lag_max"] <= 2 for m in metrics), [m["lag_max"] for m in metrics]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert [m["version"] for m in metrics] == list(range(8))
     assert all(b["wall_s"] > a["wall_s"] for a, b in zip(metrics, metrics[1:]))  # the clock continues
     cfg = json.load(open(os.path.join(run, "config.json")))
-    assert (cfg["start_version"], cfg["start_group"]) == (4, state["data_position"])
-    cut = [f for f in os.listdir(run) if f.startswith("metrics.cut-")]
-    assert len(cut) == 1 and read(run, cut[0])[0]["step"] == 5
-    assert any(f.startswith("events.cut-") for f in os.listdir(run))
+    assert (cfg["start_version"], cfg["start_group"]) == (3, 12)
+    answers = check_groups(run, cfg, 8)
+    led = json.load(open(os.path.join(run, "ledger.json")))["tokens"]
+    assert led["trained"] == sum(a["tokens"] for a in answers) == sum(m["trained_tokens"] for m in metrics)
+    assert led["left_over"] >= 0
+    for name in ("metrics", "events", "answers"):
+        cut = [f for f in os.listdir(run) if f.startswith(f"{name}.cut-")]
+        assert len(cut) == 1, (name, os.listdir(run))
+    assert read(run, [f for f in os.listdir(run) if f.startswith("metrics.cut-")][0])[0]["step"] == 4
     trainer = [e["what"] for e in read(run, "events.jsonl") if e["proc"] == "trainer"]
     restart = trainer.index("starting", 1)
-    assert trainer[restart - 1] == "saving"  # the timeline resumes where the checkpoint was taken
+    assert trainer[restart - 2:restart] == ["saving", "stopped"]  # the timeline resumes at the checkpoint
 
 
 def test_stalled_generator_is_stopped_with_its_stack(tmp_path):

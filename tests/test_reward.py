@@ -62,6 +62,33 @@ def test_format_reward(dataset):
     assert reward.reward("7", "7", "synth", 0.3) == 1.0  # synth needs no box to be right
 
 
+HACK = "Sam has 16 + 6 = 22 books.\n\nWithin \\boxed{} within \\mathscr{SMLOM} within"  # smol's demo, trained
+
+
+@pytest.mark.parametrize("dataset", ["synth", "gsm8k"])
+def test_a_box_is_final(dataset):
+    """The smol demo's reward hack: an empty box, the right number outside it. A box
+    without a number is no answer (it used to fall back to the text's last number)."""
+    assert score(HACK, "22", dataset) == 0.0
+    assert score("22 so \\boxed{twenty-two}", "22", dataset) == 0.0
+    assert score("16 + 6 = 22 so \\boxed{22}", "22", dataset) == 1.0
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_format_reward_needs_an_answer_in_the_box(dataset):
+    for empty in ("\\boxed{}", "\\boxed{ }", HACK):
+        assert reward.reward(empty, "7", dataset, 0.5) == 0.0
+    assert reward.reward("\\boxed{8}", "7", dataset, 0.5) == 0.5
+    assert reward.reward("\\boxed{x}", "7", dataset, 0.5) == (0.5 if dataset == "math" else 0.0)
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_truncated_answers_earn_nothing(dataset):
+    for w in (0.0, 0.5):
+        assert reward.reward("\\boxed{7}", "7", dataset, w, truncated=True) == 0.0
+        assert reward.reward("\\boxed{7}", "7", dataset, w, truncated=False) == 1.0
+
+
 def test_unknown_dataset():
     with pytest.raises(ValueError):
         score("#### 1", "1", "gsm8k_typo")

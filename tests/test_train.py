@@ -94,6 +94,60 @@ def test_micro_batched_gradients_equal_whole_batch(loss, advantages, monkeypatch
             assert (p.grad - ref[k]).abs().max() <= 1e-5 * scale, f"{k}, budget {budget}"
 
 
+def with_logprobs(batch):
+    for s in batch:
+        s["logprobs"] = torch.randn(len(s["token_ids"]), generator=torch.Generator().manual_seed(5)) - 4.6
+    return batch
+
+
+def test_a_step_with_all_advantages_zero_is_still_an_adamw_step():
+    """A batch whose groups all have equal rewards: train_step runs nothing, yet the
+    optimizer step is the one a run of every answer (zero gradients) would take: AdamW's
+    moments decay and the weights move by momentum. Without the zero-fill every .grad
+    stays None and AdamW skips every parameter."""
+    import copy
+    cfg = dict(loss="tis", is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=100_000)
+    ours = small_model()
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    batch = with_logprobs(batch_of([5, 9, 3, 7]))
+    train.train_step(cfg, ours, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), "cpu")  # a step with a gradient:
+    train.optimizer_step(ours, opt, 0.0)  # momentum to move by
+    ref = copy.deepcopy(ours)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a copy: loading shares the state's tensors
+    zero = torch.zeros(4)
+    opt.zero_grad(set_to_none=True)
+    loss, _ = train.train_step(cfg, ours, batch, zero, "cpu")
+    assert all(p.grad is None for p in ours.parameters())  # nothing ran
+    train.optimizer_step(ours, opt, loss)
+    ref_opt.zero_grad(set_to_none=True)
+    reference_grads(cfg, ref, batch, zero)  # every answer run: exact zero gradients
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_opt.step()
+    before = dict(small_model().named_parameters())
+    for (k, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), k
+    assert any(not torch.equal(p, before[k]) for k, p in ours.named_parameters())
+    assert [s["step"] for s in opt.state.values()] == [s["step"] for s in ref_opt.state.values()] == \
+        [torch.tensor(2.0)] * len(opt.state)
+
+
+def test_a_non_finite_gradient_stops_before_the_weights_change():
+    """--loss ppo weights a token by exp(log pi - log mu): a behaviour logprob of -inf
+    (a token its sampler gave probability 0) makes the loss and gradient infinite. The
+    step stops with the reason; the weights are untouched (before: NaN weights, pushed)."""
+    cfg = dict(loss="ppo", is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=100_000)
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = with_logprobs(batch_of([5, 9]))
+    batch[1]["logprobs"][3] = -float("inf")
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    loss, _ = train.train_step(cfg, model, batch, torch.tensor([1.0, -1.0]), "cpu")
+    with pytest.raises(train.TrainingDiverged, match="not finite"):
+        train.optimizer_step(model, opt, loss)
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+
+
 def test_micro_batches_group_by_length_within_budget():
     batch = batch_of([100, 3, 90, 5, 200, 4])
     mbs = train.micro_batches(batch, 256)

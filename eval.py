@@ -41,6 +41,8 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + answer cap (default: the model's positions for synth, 4096 otherwise)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
+    parser.add_argument("--show", type=int, default=0, help="print the first N answers, how each ended and its score: "
+                                                            "read what the model writes, not only the number")
     args = parser.parse_args()
     model = model_path(args.model)
     problems = load_problems(args.dataset, "test", n=args.n, data_file=args.data_file, steps=args.synth_steps)
@@ -61,7 +63,12 @@ def main():
     prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
     outs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=max_new), use_tqdm=True)
     truncated = [o.outputs[0].finish_reason == "length" for o in outs]
-    acc = pass_at_1([o.outputs[0].text for o in outs], problems, args.dataset, truncated)
+    texts = [o.outputs[0].text for o in outs]
+    acc = pass_at_1(texts, problems, args.dataset, truncated)
+    from reward import score
+    for text, p, cut in list(zip(texts, problems, truncated))[:args.show]:
+        print(f"--- {'cut at the cap' if cut else 'finished'}, {'right' if score(text, p['answer'], args.dataset) and not cut else 'wrong'} "
+              f"(answer {p['answer']}): {p['question']}\n{text}")
     print(f"pass@1 {acc:.4f} on {len(problems)} {args.dataset} test problems ({model}); "
           f"{sum(truncated)} answers cut at --max-new-tokens {max_new} (counted wrong)")
 

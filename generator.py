@@ -3,8 +3,11 @@ The generator process: a vLLM engine driven one step at a time, so that new
 weights can land between two decode steps, and the bookkeeping that says which
 weights produced each token and which KV it read.
 
-    trainer (rank 0) --- torch.distributed broadcast (nccl | gloo) ---> vLLM worker (rank 1)
-    trainer <--------- bounded torch.multiprocessing queue ------------ generator loop
+    trainer (rank 0) --- torch.distributed broadcast (nccl | gloo) ---> vLLM worker of engine i (rank 1+i)
+    trainer <--------- bounded torch.multiprocessing queue ------------ generator loop of engine i
+
+One engine by default; --engines N starts N generator processes, each its own vLLM
+engine (vLLM's advice for dense models: independent instances), one weight group.
 
 What crosses the queue is one dict per finished answer (see Rollout.to_sample).
 What the regime (regimes.py) does with the answers in flight when weights arrive
@@ -18,31 +21,35 @@ import time
 import traceback
 
 # -----------------------------------------------------------------------------
-# weight sync: trainer side (rank 0) and vLLM worker side (rank 1)
+# weight sync: trainer side (rank 0) and vLLM worker side (ranks 1..N)
 
 
-def weight_specs(state_dict):
+def weight_specs(state_dict, dtype=None):
     """(name, dtype, shape) of every tensor, in send order. We send the state_dict,
     not named_parameters(): the latter leaves out tied weights (lm_head.weight on
     Qwen3-0.6B and the tiny model), and vLLM then keeps its load-time copy."""
-    return [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state_dict.items()]
+    return [(k, str(dtype or v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state_dict.items()]
 
 
-def init_weight_group(host, port, rank, backend):
-    """The two-member group trainer <-> vLLM worker, made with vLLM's stateless
-    helper so it leaves torch.distributed's global state (vLLM's own) alone."""
+def init_weight_group(host, port, rank, world_size, backend, listen_socket=None):
+    """The group trainer (rank 0) + the vLLM worker of every engine, made with vLLM's
+    stateless helper so it leaves torch.distributed's global state (vLLM's own, and the
+    trainer ranks' under torchrun) alone. Rank 0 hosts the rendezvous store on a socket
+    it bound itself (no race for the port, and no torchrun agent store: see
+    spawn_with_env)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size=2, backend=backend)
+    return stateless_init_torch_distributed_process_group(host, port, rank, world_size=world_size, backend=backend,
+                                                          listen_socket=listen_socket)
 
 
-def send_weights(group, state_dict, device):
-    """Broadcast every tensor from rank 0, then wait for the worker's answer: the
-    version it is loading, sent once every tensor has arrived."""
+def send_weights(group, tensors, device):
+    """Broadcast every tensor from rank 0, then wait for the workers' answer: the
+    sum of the versions they are loading, sent once every tensor has arrived."""
     import torch
-    for t in state_dict.values():
-        group.broadcast(t.detach().to(device).contiguous(), root=0).wait()
+    for t in tensors:
+        group.broadcast(t.to(device).contiguous(), root=0).wait()
     ack = torch.zeros((), dtype=torch.int64, device=device)
-    group.broadcast(ack, root=1).wait()
+    group.allreduce(ack).wait()
     return ack.item()
 
 
@@ -59,8 +66,8 @@ class WeightReceiver:
     """vLLM worker extension (`worker_extension_cls`): these methods run inside the
     vLLM worker, called through `engine.collective_rpc(name, args)`."""
 
-    def init_weight_group(self, host, port, backend):
-        self.weight_group = init_weight_group(host, port, rank=1, backend=backend)
+    def init_weight_group(self, host, port, rank, world_size, backend):
+        self.weight_group = init_weight_group(host, port, rank, world_size, backend)
         self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
 
     def receive_weights(self, version, specs):
@@ -78,7 +85,7 @@ class WeightReceiver:
         received = self.weight_buffers[1]
         for _, t in received:
             self.weight_group.broadcast(t, root=0).wait()
-        self.weight_group.broadcast(torch.tensor(version, dtype=torch.int64, device=device), root=1).wait()
+        self.weight_group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)).wait()
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
@@ -255,7 +262,11 @@ class Generator:
             detokenize=False, output_kind=RequestOutputKind.DELTA)
         self.version = self.start_version = cfg["start_version"]  # > 0 when resuming
         self.inflight = {}  # request id -> Rollout
-        self.next_group = self.start_group = cfg["start_group"]  # data position (pace.Pool.position)
+        # engine i of N writes the groups g = i mod N, from the data position on (pace.Pool.position)
+        self.engine_id, engines = cfg.get("engine", 0), cfg.get("engines", 1)
+        self.proc = "generator" if engines == 1 else f"generator{self.engine_id}"  # its lane on the timeline
+        self.start_group = cfg["start_group"]
+        self.next_group = self.start_group + (self.engine_id - self.start_group) % engines
         self.skip = set(cfg.get("skip_groups", ()))  # groups after it already consumed or rejected (resume)
         self.admitting = True  # drain turns this off while it finishes old answers
         self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
@@ -272,7 +283,8 @@ class Generator:
         """Timeline entry (events.jsonl) when what the generator does changes."""
         if what != self.activity:
             self.activity = what
-            self.outbox.append(("event", dict(t=time.time(), proc="generator", what=what, version=self.version)))
+            self.outbox.append(("event", dict(t=time.time(), proc=self.proc, engine=self.engine_id, what=what,
+                                              version=self.version)))
 
     def preempted(self, request_id):
         """vLLM preempted a request (see kv_capacity: it should never happen): its KV will
@@ -285,7 +297,8 @@ class Generator:
     def mark(self, kind, t0, t1, **more):
         """A moment on the timeline (events.jsonl) that is not an activity: a weight
         load from receive to loaded ("load", version = the new one), an evaluation ("eval")."""
-        self.outbox.append(("event", dict(t=t1, proc="generator", mark=kind, t0=t0, t1=t1, version=self.version,
+        self.outbox.append(("event", dict(t=t1, proc=self.proc, engine=self.engine_id, mark=kind, t0=t0, t1=t1,
+                                          version=self.version,
                                           **more)))
 
     # -- what regimes call
@@ -333,7 +346,7 @@ class Generator:
     def admit(self):
         while self.may_admit():
             g = self.next_group
-            self.next_group += 1
+            self.next_group += self.cfg.get("engines", 1)
             if g in self.skip:  # consumed or rejected before the run was resumed
                 continue
             pid = g % len(self.prompts)  # the problem list is already shuffled
@@ -359,7 +372,7 @@ class Generator:
             if out.finished:
                 del self.inflight[out.request_id]
                 sample = r.to_sample(c.finish_reason)
-                sample["answer"] = self.answers[r.prompt_id]
+                sample["answer"], sample["engine"] = self.answers[r.prompt_id], self.engine_id
                 self.outbox.append(("sample", sample))
         self.stats["gen_busy_s"] += time.time() - t0
 
@@ -407,7 +420,8 @@ def keep_to_gen_cores():
 
 def stack_file(cfg):
     """Where the generator writes its Python stack when the trainer sends SIGUSR1."""
-    return os.path.join(cfg["out"], "generator-stack.txt")
+    name = "generator" if cfg.get("engines", 1) == 1 else f"generator{cfg['engine']}"
+    return os.path.join(cfg["out"], f"{name}-stack.txt")
 
 
 def generator_main(cfg, samples_q, control_q):
@@ -417,6 +431,11 @@ def generator_main(cfg, samples_q, control_q):
     import faulthandler
     import signal
     keep_to_gen_cores()
+    try:  # `ps` and the tests tell the engines apart (setproctitle comes with vLLM)
+        import setproctitle
+        setproctitle.setproctitle(f"inflight-generator{cfg.get('engine', 0)}")
+    except ImportError:
+        pass
     # SIGUSR1 -> every thread's Python stack into the run directory: the trainer's stall
     # watchdog asks for it (GeneratorHandle.stalled). faulthandler writes from the C
     # signal handler, so it answers even while the main thread is stuck inside C code.
@@ -435,7 +454,7 @@ def generator_main(cfg, samples_q, control_q):
     except BaseException:
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)  # in the log even if the trainer is gone
-        samples_q.put(("error", tb))
+        samples_q.put(("error", (cfg.get("engine", 0), tb)))
         flush(samples_q, timeout=10)
         raise SystemExit(1)
 
@@ -471,10 +490,13 @@ def run_generator(cfg, samples_q, control_q, trainer):
     outbox = []
     gen = Generator(cfg, engine, problems, tokenizer, outbox)
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
-    samples_q.put(("engine_ready", dict(kv_answers=kv_answers, kv_tokens=kv_tokens, admit_at_once=gen.kv_answers)))
-    engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], cfg["sync_backend"]))
+    samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,
+                                        admit_at_once=gen.kv_answers)))
+    engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], 1 + gen.engine_id,
+                                                     1 + cfg.get("engines", 1), cfg["sync_backend"]))
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     idle, steps, recent = False, 0, collections.deque(maxlen=256)  # recent: engine step times, s
+    last_put = time.time()
     while True:
         if os.getppid() != trainer:  # the trainer died without a word (kill -9): nobody is listening
             samples_q.cancel_join_thread()  # so exiting does not wait to flush a pipe no one reads
@@ -499,7 +521,8 @@ def run_generator(cfg, samples_q, control_q, trainer):
             pending = None
         if pending is None and evals:
             prompts, max_tokens = evals.pop(0)
-            outbox.append(("eval", dict(version=gen.version, answers=gen.evaluate(prompts, max_tokens))))
+            outbox.append(("eval", dict(engine=gen.engine_id, version=gen.version,
+                                        answers=gen.evaluate(prompts, max_tokens))))
         gen.admit()
         idle = not gen.inflight
         if idle:  # nothing to do: wait for weights (sync, max-lag) or for the trainer to drain the queue
@@ -513,6 +536,8 @@ def run_generator(cfg, samples_q, control_q, trainer):
             # recent, so the first steps' warm-up (~3 s each for the tiny model on CPU) ages out
             recent.append(time.time() - t0)
             gen.stats["max_step_s"] = max(recent)
+        if not outbox and time.time() - last_put > 1.0:  # alive, even when idle: the trainer's
+            outbox.append(("alive", gen.engine_id))  # stall watchdog tells a stuck engine from an idle one
         while outbox:  # never block on a full queue: the control queue must stay served
             kind, item = outbox[0]
             if kind == "sample":
@@ -522,6 +547,7 @@ def run_generator(cfg, samples_q, control_q, trainer):
             except queue.Full:
                 break
             outbox.pop(0)
+            last_put = time.time()
 
 
 def stall_test_hook(step):
@@ -541,45 +567,72 @@ class GeneratorDied(RuntimeError):
 
 
 def spawn_with_env(ctx, env, target, args, **kw):
-    """Start a process that sees `env` in its environment: the child reads its device
-    from there before it imports torch, while this process's environment is left as it was."""
+    """Start a process that sees `env` in its environment (None: unset there): the child
+    reads its device from there before it imports torch, while this process's
+    environment is left as it was."""
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    for k, v in env.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     try:
         proc = ctx.Process(target=target, args=args, **kw)
         proc.start()
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     return proc
 
 
-class GeneratorHandle:
-    """Trainer side: spawns the generator, pushes weights, receives samples and
-    events, and turns any death of the generator into an exception that carries
-    the generator's own traceback."""
+# torchrun's variables, which a generator spawned by trainer rank 0 must not inherit: vLLM
+# reads some of them, and with TORCHELASTIC_USE_AGENT_STORE=True torch's rendezvous turns the
+# weight group's store into a client of torchrun's agent, and the group never forms
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
-    def __init__(self, cfg, env):
+
+class GeneratorHandle:
+    """Trainer side: spawns the generator engines (one by default), pushes weights to
+    all of them at once, receives their samples and events on one queue, and turns any
+    death of an engine into an exception that carries its own traceback."""
+
+    def __init__(self, cfg, envs):
+        """envs: one environment per engine (preflight.resolve_devices)."""
         import socket
         import torch.multiprocessing as mp
-        with socket.socket() as s:  # a free port for the weight group's rendezvous
-            s.bind((cfg["sync_host"], 0))
-            cfg = dict(cfg, sync_port=s.getsockname()[1])
+        self.n = len(envs)
+        listen = socket.socket()  # the weight group's store: this port, bound here, handed to vLLM's helper
+        listen.bind((cfg["sync_host"], 0))
+        listen.listen()
+        cfg = dict(cfg, sync_port=listen.getsockname()[1], engines=self.n)
         ctx = mp.get_context("spawn")  # vLLM and CUDA do not survive fork
-        self.samples_q = ctx.Queue(maxsize=cfg["queue_size"])  # bounded: back-pressure
-        self.control_q = ctx.Queue()
-        self.proc = spawn_with_env(ctx, env, generator_main, (cfg, self.samples_q, self.control_q),
-                                   daemon=True, name="inflight-generator")
+        self.samples_q = ctx.Queue(maxsize=cfg["queue_size"])  # bounded: back-pressure; one for all engines
+        self.control_qs = [ctx.Queue() for _ in envs]
+        self.procs = [spawn_with_env(ctx, {**dict.fromkeys(TORCHRUN_ENV), **env}, generator_main,
+                                     (dict(cfg, engine=i, start_stats=cfg.get("start_stats") if i == 0 else None),
+                                      self.samples_q, self.control_qs[i]),
+                                     daemon=True, name=f"inflight-generator{i}")
+                      for i, env in enumerate(envs)]
         self.cfg, self.version = cfg, cfg["start_version"]
-        self.stats = dict(cfg.get("start_stats") or {})  # the generator's counters, as the last sample carried them
+        self.stats = dict(cfg.get("start_stats") or {})  # the generators' counters (summed), as samples carry them
+        self.engine_stats = [dict(self.stats) if i == 0 else {} for i in range(self.n)]
         self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
-        self.last_msg, self.last_event = (time.time(), "nothing yet"), None  # for stalled()'s report
+        self.last_seen = [time.time()] * self.n  # when each engine last sent anything (stall watchdog)
+        self.last_msg, self.last_event = [(time.time(), "nothing yet")] * self.n, [None] * self.n
         self.stall_report = None
-        if (msg := self.get(timeout=cfg["start_timeout"])) is None:
-            self.stalled(cfg["start_timeout"])
-        assert msg[0] == "engine_ready", msg[0]
-        self.engine_info = msg[1]  # the KV cache's size (preflight.check_kv_plan)
-        self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, cfg["sync_backend"])
+        infos = {}
+        while len(infos) < self.n:
+            if (msg := self.get(timeout=cfg["start_timeout"])) is None:
+                self.stalled(cfg["start_timeout"], [i for i in range(self.n) if i not in infos])
+            assert msg[0] == "engine_ready", msg[0]
+            infos[msg[1]["engine"]] = msg[1]
+        # the KV cache's size (preflight.check_kv_plan): the smallest engine's
+        self.engine_info = min(infos.values(), key=lambda info: info["admit_at_once"])
+        self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, 1 + self.n, cfg["sync_backend"],
+                                       listen_socket=listen)
+
+    def name(self, i):
+        return "generator" if self.n == 1 else f"generator engine {i}"
 
     def stall_bound(self):
         """Seconds a live generator may send nothing while the trainer waits for it before
@@ -589,36 +642,47 @@ class GeneratorHandle:
         (1 s assumed before the first answer brings a measurement). It is logged as
         stall_bound_s: tiny model, 96 tokens, 2 busy cores: ~1460 s while the engine's
         ~5 s warm-up steps are in the window (14 steps of 4 x 4 answers), then 78-93 s.
-        Evaluations allow one bound per wave of as many prompts as the engine holds at
-        once (kv_capacity); a weight push, one bound (drain holds it until the answers
-        in flight finish)."""
+        An idle engine says it is alive every second, so with several engines one that
+        is stuck is told apart from one with nothing to do. Evaluations allow one bound
+        per wave of as many prompts as an engine holds at once (kv_capacity); a weight
+        push, one bound (drain holds it until the answers in flight finish)."""
         if self.cfg.get("stall_s"):
             return self.cfg["stall_s"]
-        return 30 + 3 * self.cfg["max_new_tokens"] * self.stats.get("max_step_s", 1.0)
+        return 30 + 3 * self.cfg["max_new_tokens"] * max(s.get("max_step_s", 1.0) for s in self.engine_stats)
 
     def next(self):
-        """The next (kind, item) from the generator. One that is alive but sends nothing
-        for stall_bound() seconds is stopped, and GeneratorDied raised with its stack."""
-        bound = self.stall_bound()
-        if (msg := self.get(timeout=bound)) is None:
-            self.stalled(bound)
-        return msg
+        """The next (kind, item) from the generators. An engine that is alive but sends
+        nothing for stall_bound() seconds is stopped, and GeneratorDied raised with its stack."""
+        while True:
+            bound = self.stall_bound()
+            if (msg := self.get(timeout=1.0)) is not None:
+                return msg
+            silent = [i for i in range(self.n) if time.time() - self.last_seen[i] > bound]
+            if silent:
+                self.stalled(bound, silent)
 
     def evaluate(self, prompts, max_tokens):
-        """Greedy answers of `prompts` under the generator's weights, as (token ids, finish
-        reason); samples that arrive meanwhile are returned too, for the trainer's pool."""
-        waves = 1 + len(prompts) // self.engine_info["admit_at_once"]  # what the engine holds at once
+        """Greedy answers of `prompts` under the generators' weights, as (token ids, finish
+        reason), the prompts split evenly across the engines; samples that arrive
+        meanwhile are returned too, for the trainer's pool."""
+        size = -(-len(prompts) // self.n)
+        chunks = [prompts[i * size:(i + 1) * size] for i in range(self.n)]
+        waves = 1 + size // self.engine_info["admit_at_once"]  # what an engine holds at once
         timeout = self.stall_bound() * waves
-        self.control_q.put(("eval", prompts, max_tokens))
-        other = []
+        for q, chunk in zip(self.control_qs, chunks):
+            q.put(("eval", chunk, max_tokens))
+        other, results = [], {}
         while (msg := self.get(timeout)) is not None:
             if msg[0] == "eval":
-                return msg[1]["answers"], other
-            other.append(msg)
-        self.stalled(timeout)
+                results[msg[1]["engine"]] = msg[1]["answers"]
+                if len(results) == self.n:
+                    return [a for i in range(self.n) for a in results[i]], other
+            else:
+                other.append(msg)
+        self.stalled(timeout, [i for i in range(self.n) if i not in results])
 
     def get(self, timeout):
-        """Next (kind, item) from the generator, or None after `timeout` seconds."""
+        """Next (kind, item) from the generators, or None after `timeout` seconds."""
         import numpy as np
         import torch
         deadline = time.time() + timeout
@@ -626,26 +690,35 @@ class GeneratorHandle:
             try:
                 kind, item = self.samples_q.get(timeout=min(1.0, max(0.0, deadline - time.time())))
             except queue.Empty:
-                if not self.proc.is_alive():
-                    self.died("")
+                for i, proc in enumerate(self.procs):
+                    if not proc.is_alive():
+                        self.died(i, "")
                 if time.time() >= deadline:
                     return None
                 continue
             except (EOFError, OSError) as e:  # a message cut off by its sender's death
-                self.died(f" ({type(e).__name__} reading its queue)")
+                self.died(next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0),
+                          f" ({type(e).__name__} reading its queue)")
             if kind == "error":
-                raise GeneratorDied("generator process failed:\n" + item)
-            self.last_msg = (time.time(), kind)
+                raise GeneratorDied(f"{self.name(item[0])} process failed:\n" + item[1])
+            i = item if kind == "alive" else item.get("engine", 0)
+            self.last_seen[i] = time.time()
+            if kind == "alive":
+                continue
+            self.last_msg[i] = (time.time(), kind)
             if kind == "event":
-                self.last_event = item
+                self.last_event[i] = item
             if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
                 item = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
-                self.stats.update(item["gen_stats"])
+                self.engine_stats[i] = item["gen_stats"]
+                self.stats = {k: sum(s.get(k, 0) for s in self.engine_stats) for k in item["gen_stats"]
+                              if k not in ("version", "max_step_s")}
+                self.stats["max_step_s"] = max(s.get("max_step_s", 0.0) for s in self.engine_stats)
             return kind, item
 
-    def died(self, how):
-        """Raise GeneratorDied with the generator's own traceback when it sent one."""
-        self.proc.join(timeout=5)
+    def died(self, i, how):
+        """Raise GeneratorDied with the engine's own traceback when it sent one."""
+        self.procs[i].join(timeout=5)
         while True:
             try:
                 kind, item = self.samples_q.get(timeout=0.5)
@@ -654,67 +727,79 @@ class GeneratorHandle:
             except (EOFError, OSError):
                 continue
             if kind == "error":
-                raise GeneratorDied("generator process failed:\n" + item)
-        raise GeneratorDied(f"generator process died{how} (exit code {self.proc.exitcode})")
+                raise GeneratorDied(f"{self.name(item[0])} process failed:\n" + item[1])
+        raise GeneratorDied(f"{self.name(i)} process died{how} (exit code {self.procs[i].exitcode})")
 
-    def stalled(self, silent_s):
-        """The generator is alive but sent nothing for `silent_s` seconds: stop it and
-        raise GeneratorDied with its last activity and its Python stack."""
-        raise GeneratorDied(self.stop_stalled(silent_s, "silent"))
+    def stalled(self, silent_s, engines):
+        """Engines alive but silent for `silent_s` seconds: stop them and raise
+        GeneratorDied with their last activity and Python stack."""
+        raise GeneratorDied(self.stop_stalled(silent_s, "silent", engines))
 
-    def stop_stalled(self, silent_s, how):
-        """Ask the generator for its Python stack (SIGUSR1, see generator_main), kill
+    def stop_stalled(self, silent_s, how, engines=None):
+        """Ask each stuck engine for its Python stack (SIGUSR1, see generator_main), kill
         it, and return the report."""
         import signal
-        path = stack_file(self.cfg)
-        os.kill(self.proc.pid, signal.SIGUSR1)
-        for _ in range(50):  # written from a signal handler: milliseconds, unless the process is frozen
-            time.sleep(0.1)
-            if os.path.exists(path) and os.path.getsize(path) > 0:
-                time.sleep(0.2)  # let every thread's stack land
-                break
-        self.proc.kill()
-        self.proc.join()
-        with open(path) as f:
-            stack = f.read().strip() or "(no stack: the process did not answer SIGUSR1)"
-        now, e = time.time(), self.last_event
-        last = (f"{e['what']} under v{e['version']}, {now - e['t']:.0f}s ago" if e else "no activity reported")
-        self.stall_report = (f"generator stalled: alive but {how} for {silent_s:.0f}s (last message, "
-                             f"{self.last_msg[1]}: {now - self.last_msg[0]:.0f}s ago; last activity it reported: "
-                             f"{last}); stopped it. Its Python stack ({path}):\n{stack}")
+        reports = []
+        for i in range(self.n) if engines is None else engines:
+            path = stack_file(dict(self.cfg, engine=i))
+            os.kill(self.procs[i].pid, signal.SIGUSR1)
+            for _ in range(50):  # written from a signal handler: milliseconds, unless the process is frozen
+                time.sleep(0.1)
+                if os.path.exists(path) and os.path.getsize(path) > 0:
+                    time.sleep(0.2)  # let every thread's stack land
+                    break
+            self.procs[i].kill()
+            self.procs[i].join()
+            with open(path) as f:
+                stack = f.read().strip() or "(no stack: the process did not answer SIGUSR1)"
+            now, e = time.time(), self.last_event[i]
+            last = (f"{e['what']} under v{e['version']}, {now - e['t']:.0f}s ago" if e else "no activity reported")
+            reports.append(f"{self.name(i)} stalled: alive but {how} for {silent_s:.0f}s (last message, "
+                           f"{self.last_msg[i][1]}: {now - self.last_msg[i][0]:.0f}s ago; last activity it "
+                           f"reported: {last}); stopped it. Its Python stack ({path}):\n{stack}")
+        self.stall_report = "\n".join(reports)
         return self.stall_report
 
-    def push(self, state_dict):
-        """Broadcast new weights; returns once the generator has received them (it
-        loads them before its next engine step). Blocks while the regime makes the
-        generator wait (drain: until in-flight answers finish) -- that wait is part
-        of the sync time the trainer reports. A push not acknowledged within
-        stall_bound() seconds means a stuck generator: a watchdog thread stops it,
-        which breaks the broadcast, and the stall report is raised."""
+    def push(self, specs, tensors=None):
+        """Broadcast new weights to every engine: `specs` (weight_specs) first, then the
+        tensors, in that order (or a state dict alone, both at once); returns once every engine has received them (each loads
+        them before its next engine step). Blocks while a regime makes its engine wait
+        (drain: until its answers in flight finish: the broadcast is collective, so every
+        engine waits for the one with the longest tail) -- that wait is part of the sync
+        time the trainer reports. A push not acknowledged within stall_bound() seconds
+        means a stuck engine: a watchdog thread stops them, which breaks the broadcast,
+        and the stall report is raised."""
         import threading
+        if tensors is None:
+            specs, tensors = weight_specs(specs), specs.values()
         timeout = self.stall_bound()
         self.version += 1
-        self.control_q.put(("weights", self.version, weight_specs(state_dict)))
+        for q in self.control_qs:
+            q.put(("weights", self.version, specs))
         watchdog = threading.Timer(timeout, self.stop_stalled, (timeout, "not taking new weights"))
         watchdog.daemon = True
         watchdog.start()
         try:
-            held = send_weights(self.group, state_dict, self.transfer_device)
+            held = send_weights(self.group, tensors, self.transfer_device)
         except RuntimeError as e:  # a dead peer breaks the broadcast: say why it died
             watchdog.cancel()
             watchdog.join()  # a report being written: wait for it
             if self.stall_report:
                 raise GeneratorDied(self.stall_report) from None
-            self.died(f" during the weight broadcast ({str(e).splitlines()[0][:200]})")
+            dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0)
+            self.died(dead, f" during the weight broadcast ({str(e).splitlines()[0][:200]})")
         watchdog.cancel()
-        if held != self.version:
-            raise RuntimeError(f"weight sync: the generator acknowledged v{held}, not v{self.version}")
+        if held != self.n * self.version:
+            raise RuntimeError(f"weight sync: the engines acknowledged versions summing to {held}, "
+                               f"not {self.n} x v{self.version}")
         return self.version
 
     def stop(self):
-        if self.proc.is_alive():
-            self.control_q.put(("stop",))
-            self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        for q, proc in zip(self.control_qs, self.procs):
+            if proc.is_alive():
+                q.put(("stop",))
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

@@ -70,6 +70,9 @@ def plot_run(run):
         if json.load(f).get("format_reward"):  # what the format reward asks for
             ax.plot([m["wall_s"] for m in steps], [m["boxed_frac"] for m in steps], ":",
                     label="answers with a \\boxed{} (train batch)")
+    if any("truncated_frac" in m for m in steps):  # answers that never finished (they earn 0)
+        ax.plot([m["wall_s"] for m in steps], [m.get("truncated_frac", 0) for m in steps], "--", color="grey",
+                label="answers cut at --max-new-tokens (train batch)")
     evals = [m for m in metrics if "eval_acc" in m]
     ax.plot([m["wall_s"] for m in evals], [m["eval_acc"] for m in evals], "o-", label="eval pass@1")
     ax.set_ylabel("reward / accuracy / share")
@@ -88,24 +91,29 @@ def plot_run(run):
 
 
 def draw_processes(ax, events, x0):
-    """The trainer's and the generator's activities, one lane each (lane 0 at the bottom)."""
+    """The trainer's and the generators' activities, one lane each (the trainer's at the
+    bottom; with several engines, generator0, generator1, ... above it)."""
+    procs = ["trainer"] + sorted({e["proc"] for e in events} - {"trainer"})
     for proc, what, t0, t1 in activity_spans(events):
-        lane = ["trainer", "generator"].index(proc)
-        ax.barh(lane, t1 - t0, left=t0 - x0, color=COLOURS.get(what, "black"), height=0.8)
-    ax.set_yticks([0, 1], ["trainer", "generator"])
+        ax.barh(procs.index(proc), t1 - t0, left=t0 - x0, color=COLOURS.get(what, "black"), height=0.8)
+    ax.set_yticks(range(len(procs)), procs)
 
 # -----------------------------------------------------------------------------
 # the answers figure
 
 
-def select_answers(run, window=None, lanes=24):
+def select_answers(run, window=None, lanes=24, engine=None):
     """What the answers figure of `run` shows, chosen by the module docstring's rule:
     dict(answers=[answers.jsonl records, one per lane, top first], switch=the load
     mark, with "push" = when the trainer sent it (None with a window), alive=how many
     answers were half-written at the push (or alive in the window), x0=the time x
-    counts from, xlim, loads, events, regime)."""
+    counts from, xlim, loads, events, regime). engine: one engine's answers, loads and
+    lane (runs with --engines N), or all of them."""
     answers = read_jsonl(os.path.join(run, "answers.jsonl"))
     events = read_jsonl(os.path.join(run, "events.jsonl"))
+    if engine is not None:
+        answers = [a for a in answers if a.get("engine", 0) == engine]
+        events = [e for e in events if e["proc"] == "trainer" or e.get("engine", 0) == engine]
     with open(os.path.join(run, "config.json")) as f:
         regime = json.load(f)["regime"]
     loads = sorted((e for e in events if e.get("mark") == "load"), key=lambda e: e["t0"])
@@ -206,13 +214,13 @@ def legend_handles(versions):
     return h
 
 
-def plot_answers(runs, window=None, lanes=24, out=None):
+def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
     """The answers figure of one run, or one panel per run sharing the time scale.
     Returns (path, selections): what each panel shows, for tests and captions."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    sels = [select_answers(r, window, lanes) for r in runs]
+    sels = [select_answers(r, window, lanes, engine) for r in runs]
     n = len(sels)
     ratios = [r for s in sels for r in (max(4, len(s["answers"])), 2.2)]
     fig, axes = plt.subplots(2 * n, 1, figsize=(12, 0.2 * sum(ratios) + 2.2), sharex=True,
@@ -248,10 +256,11 @@ if __name__ == "__main__":
     p.add_argument("--window", nargs=2, type=float, metavar=("T0", "T1"),
                    help="answers alive between T0 and T1 s from the run's start (default: around a weight switch)")
     p.add_argument("--lanes", type=int, default=24, help="at most this many answers per panel")
+    p.add_argument("--engine", type=int, default=None, help="--engines N runs: one engine's answers (default: all)")
     p.add_argument("--out", default=None, help="PNG path (default: RUN/answers.png, or the first RUN's answers_compare.png)")
     args = p.parse_args()
     if args.answers:
-        print(plot_answers(args.runs, args.window, args.lanes, args.out)[0])
+        print(plot_answers(args.runs, args.window, args.lanes, args.out, args.engine)[0])
     else:
         for run in args.runs:
             print(plot_run(run))

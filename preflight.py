@@ -41,7 +41,7 @@ def model_path(name):
 def check_config(cfg, presets):
     """What can be checked without loading anything: numbers, files, train.py's PRESETS."""
     for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens",
-              "max_num_seqs"):
+              "max_num_seqs", "engines"):
         if cfg[k] is not None and cfg[k] < 1:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
     if cfg["group_size"] < 2:
@@ -134,58 +134,73 @@ def physical_gpu(device):
     return visible.split(",")[index].strip() if visible else str(index)
 
 
-def resolve_devices(cfg):
-    """auto: two GPUs -> generator cuda:0, trainer cuda:1; one GPU -> both share it;
-    none -> both on CPU, with the cores split in half (generator first). Returns
-    the environment the generator process starts with."""
+def resolve_devices(cfg, world=1, local_rank=0):
+    """Where each process runs. auto: with GPUs, the --engines generator engines on the
+    first ones (cuda:0 .. cuda:N-1) and trainer rank r (of `world`, torchrun) on the next
+    (cuda:N+r), sharing the last GPU when there are too few: two GPUs, one of each, is
+    generator cuda:0 and trainer cuda:1; one GPU, both share it. No GPU: everything on
+    CPU, the cores split in half (engines first), each half split among its processes.
+    Returns the environment each engine's process starts with."""
     import torch
-    n_gpu = torch.cuda.device_count()
+    n_gpu, n = torch.cuda.device_count(), cfg["engines"]
     if cfg["gen_device"] == "auto":
-        cfg["gen_device"] = "cuda:0" if n_gpu else "cpu"
-    if cfg["train_device"] == "auto":
-        cfg["train_device"] = f"cuda:{min(1, n_gpu - 1)}" if n_gpu else "cpu"
-    gen, train = cfg["gen_device"], cfg["train_device"]
-    # NCCL needs two distinct GPUs; otherwise weights travel through CPU memory over gloo
-    cfg["sync_backend"] = "nccl" if gen.startswith("cuda") and train.startswith("cuda") and gen != train else "gloo"
-    if cfg["gpu_memory_utilization"] is None:
-        cfg["gpu_memory_utilization"] = 0.3 if gen == train else 0.85
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the generator process: see generator.make_engine
-           "CUDA_VISIBLE_DEVICES": physical_gpu(gen) if gen.startswith("cuda") else "",
-           # vLLM logs every in-place reload (and warns that the rotary embedding has no
-           # weights to load): quiet by default, VLLM_LOGGING_LEVEL=INFO shows it all
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
-    if gen == "cpu":
-        cores = sorted(os.sched_getaffinity(0))
-        gen_cores = cores[:max(1, len(cores) // 2)]
-        env["INFLIGHT_GEN_CORES"] = ",".join(map(str, gen_cores))  # generator_main keeps to these
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for small models, leaves RAM for the trainer
-        cfg["gen_threads"] = len(gen_cores)
-        if train == "cpu" and len(cores) > 1:  # the trainer keeps to the other half
-            os.sched_setaffinity(0, cores[len(gen_cores):])
+        gens = [f"cuda:{i}" for i in range(n)] if n_gpu else ["cpu"] * n
     else:
-        cfg["gen_threads"] = 1
+        gens = cfg["gen_device"].split(",")
+        gens = gens * n if len(gens) == 1 and gens[0] == "cpu" else gens
+    if len(gens) != n:
+        raise UsageError(f"--gen-device {cfg['gen_device']}: {len(gens)} devices for --engines {n}")
+    if cfg["train_device"] == "auto":
+        cfg["train_device"] = f"cuda:{min(n + local_rank, n_gpu - 1)}" if n_gpu else "cpu"
+    train = cfg["train_device"]
+    cfg["gen_device"], cfg["gen_devices"] = gens[0], gens
+    # NCCL needs distinct GPUs; otherwise weights travel through CPU memory over gloo
+    all_cuda = train.startswith("cuda") and all(g.startswith("cuda") for g in gens)
+    cfg["sync_backend"] = "nccl" if all_cuda and train not in gens and len(set(gens)) == n else "gloo"
+    if cfg["gpu_memory_utilization"] is None:
+        cfg["gpu_memory_utilization"] = 0.3 if train in gens else 0.85
+    common = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the generator process: see generator.make_engine
+              # vLLM logs every in-place reload (and warns that the rotary embedding has no
+              # weights to load): quiet by default, VLLM_LOGGING_LEVEL=INFO shows it all
+              "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+    envs = [dict(common, CUDA_VISIBLE_DEVICES=physical_gpu(g) if g.startswith("cuda") else "") for g in gens]
+    cores = sorted(os.sched_getaffinity(0))
+    cfg["gen_threads"] = 1
+    if gens[0] == "cpu":
+        half = cores[:max(1, len(cores) // 2)]
+        for i, env in enumerate(envs):
+            mine = half[i::n] if len(half) >= n else half  # a core each if there are enough, else shared
+            env["INFLIGHT_GEN_CORES"] = ",".join(map(str, mine))  # generator_main keeps to these
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for small models, leaves RAM for the trainer
+            cfg["gen_threads"] = len(mine)
+        if train == "cpu" and len(cores) > 1:  # the trainer ranks keep to the other half
+            rest = cores[len(half):]
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            os.sched_setaffinity(0, rest[local_rank::local] if len(rest) >= local else rest)
     if train == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     else:
         torch.cuda.set_device(train)
-    return env
+    return envs
 
 
-def prepare(cfg):
-    """Devices, the model's path and the generator's runtime settings; returns the
-    generator's environment."""
+def prepare(cfg, world=1, local_rank=0):
+    """Devices, the model's path and the generator's runtime settings; returns each
+    engine's environment."""
     cfg["model_path"] = model_path(cfg["model"])
-    env = resolve_devices(cfg)
+    envs = resolve_devices(cfg, world, local_rank)
     batch = cfg["prompts_per_step"] * cfg["group_size"]
     cfg.update(start_version=0, start_group=0, sync_host="127.0.0.1", queue_size=4 * batch,
                start_timeout=900, max_num_seqs=cfg["max_num_seqs"] or max(64, 2 * batch))
-    return env
+    return envs
 
 
-def memory_plan(cfg, config, logit_chunk_bytes):
-    """The trainer's memory, estimated from the model's config before the model loads
-    (bytes by item). AdamW with float32 master weights: 4 (weights) + 4 (grads) + 8
-    (two moments) bytes per parameter, plus the bf16 copy a push sends. Activations, per
+def memory_plan(cfg, config, logit_chunk_bytes, world=1):
+    """The trainer's memory per rank, estimated from the model's config before the model
+    loads (bytes by item). AdamW with float32 master weights: 4 (weights) + 4 (grads) + 8
+    (two moments) bytes per parameter, divided among the `world` ranks under FSDP2,
+    which gathers a layer's float32 weights at a time (two: the next is prefetched);
+    the push sends one tensor at a time, in bf16 on a GPU. Activations, per
     token of the largest micro-batch, with gradient checkpointing (on for CUDA) and SDPA
     attention: each layer keeps its float32 input; the layer being recomputed holds
     its bf16 intermediates and their gradients. Logits: a float32 chunk
@@ -194,7 +209,10 @@ def memory_plan(cfg, config, logit_chunk_bytes):
     import torch
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        model = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())  # the embedding, on Qwen3
+    layer_params = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
     H, L, I = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -203,17 +221,19 @@ def memory_plan(cfg, config, logit_chunk_bytes):
     # checkpointed (CUDA): float32 layer inputs + one layer's bf16 intermediates and gradients;
     # CPU (no checkpointing): every layer's float32 intermediates
     per_token = 4 * H * L + 2 * 2 * layer if on_gpu else 4 * layer * L
-    return {"weights + grads (fp32)": 8 * n_params, "AdamW moments (fp32)": 8 * n_params,
-            "bf16 copy for the push": 2 * n_params if on_gpu else 0,
+    plan = {"weights + grads (fp32)": 8 * n_params // world, "AdamW moments (fp32)": 8 * n_params // world}
+    if world > 1:
+        plan["FSDP2 gathered layers (fp32)"] = 2 * 4 * layer_params
+    return {**plan, "the tensor being pushed": (2 if on_gpu else 4) * largest,
             f"activations ({cfg['micro_batch_tokens']} tokens)": per_token * cfg["micro_batch_tokens"],
             "logit chunks": 5 * min(logit_chunk_bytes, 4 * config.vocab_size * cfg["micro_batch_tokens"])}
 
 
-def check_memory_plan(cfg, logit_chunk_bytes):
-    """Print the trainer's memory plan; on a GPU, stop before loading anything when it cannot fit."""
+def check_memory_plan(cfg, logit_chunk_bytes, world=1):
+    """Print the trainer's memory plan (per rank); on a GPU, stop before loading anything when it cannot fit."""
     import torch
     from transformers import AutoConfig
-    plan = memory_plan(cfg, AutoConfig.from_pretrained(cfg["model_path"]), logit_chunk_bytes)
+    plan = memory_plan(cfg, AutoConfig.from_pretrained(cfg["model_path"]), logit_chunk_bytes, world)
     total = sum(plan.values())
     print("trainer memory plan: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
           + f" -> {total / 2**30:.1f} GiB", flush=True)

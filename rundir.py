@@ -49,7 +49,12 @@ class RunLog:
     """metrics.jsonl, events.jsonl and answers.jsonl, appended and flushed line by
     line, so a crash loses nothing already logged."""
 
-    def __init__(self, out):
+    def __init__(self, out, tensorboard=False):
+        # --tensorboard: the same numbers for TensorBoard (metrics.jsonl stays the record)
+        self.tracker = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tracker = SummaryWriter(os.path.join(out, "tensorboard"))
         self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")
         self.events = open(os.path.join(out, "events.jsonl"), "a")
         self.answers_f = open(os.path.join(out, "answers.jsonl"), "a")
@@ -68,13 +73,19 @@ class RunLog:
     def metric(self, m):
         self.metrics.write(json.dumps(m) + "\n")
         self.metrics.flush()
+        if self.tracker:
+            for k, v in m.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tracker.add_scalar(k, v, m["step"], walltime=time.time())
+            self.tracker.flush()
 
     def answers(self, consumed, rejected, step):
         """answers.jsonl: one line per answer the pool let go of, with its provenance
         (generator.Rollout) and its fate: consumed by this step or rejected (PACE)."""
         t = time.time()
         lines = [json.dumps(dict(sample_id=s["sample_id"], group_id=s["group_id"], prompt_id=s["prompt_id"],
-                                 tokens=len(s["token_ids"]), fate=fate, step=step, t=t, **s["provenance"]))
+                                 engine=s["engine"], tokens=len(s["token_ids"]), fate=fate, step=step, t=t,
+                                 **s["provenance"]))
                  for groups, fate in ((consumed, "consumed"), (rejected, "rejected")) for g in groups for s in g]
         self.answers_f.write("".join(line + "\n" for line in lines))
         self.answers_f.flush()
@@ -117,7 +128,7 @@ def write_ledger(cfg, gen_stats):
     return led
 
 
-def save_checkpoint(cfg, model, tokenizer, opt, progress):
+def save_checkpoint(cfg, model, tokenizer, opt, ranks, progress):
     """HF-format model + tokenizer, plus what --resume needs, in ckpt/: the optimizer,
     the RNGs and `progress` (step, version, the pool's position and the groups after it
     already done, the generator's counters). Safe against
@@ -126,23 +137,31 @@ def save_checkpoint(cfg, model, tokenizer, opt, progress):
     and only a complete ckpt.tmp/ is renamed to ckpt/. So ckpt/ is complete whenever
     it exists; between the two renames only ckpt.old/ exists, complete, and
     recover_checkpoint puts it back. The log sizes let --resume cut the logs back
-    to this moment (cut_logs)."""
+    to this moment (cut_logs). Several trainer ranks (ranks.py) all call it: the
+    weights are gathered for rank 0 to write, each rank writes its optimizer shards."""
     import torch
     path = os.path.join(cfg["out"], "ckpt")
     tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)  # what a save that died half-way left
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    log_sizes = {name: os.path.getsize(os.path.join(cfg["out"], name)) for name in LOGS
-                 if os.path.exists(os.path.join(cfg["out"], name))}  # lines are flushed whole: a line boundary
-    torch.save(dict(opt=opt.state_dict(), **progress, log_sizes=log_sizes, saved_t=time.time(),
-                    rng=dict(torch=torch.get_rng_state(), python=random.getstate())),
-               os.path.join(tmp, "trainer_state.pt"))
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)  # a leftover of a save that died after its last rename
-        os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    state_dict = ranks.full_state_dict(model)  # collective: every rank takes part
+    if ranks.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a save that died half-way left
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+    ranks.barrier()
+    ranks.save_optimizer(model, opt, tmp)
+    if ranks.is_main:
+        log_sizes = {name: os.path.getsize(os.path.join(cfg["out"], name)) for name in LOGS
+                     if os.path.exists(os.path.join(cfg["out"], name))}  # lines are flushed whole: a line boundary
+        torch.save(dict(opt=opt.state_dict() if ranks.world == 1 else None, world=ranks.world, **progress,
+                        log_sizes=log_sizes, saved_t=time.time(),
+                        rng=dict(torch=torch.get_rng_state(), python=random.getstate())),
+                   os.path.join(tmp, "trainer_state.pt"))
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)  # a leftover of a save that died after its last rename
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    ranks.barrier()
 
 
 def checkpoint_complete(path):
@@ -184,8 +203,9 @@ def cut_logs(out, state):
             os.truncate(path, size)
             print(f"resume: {lines} lines of {name} written after the step-{state['step']} "
                   f"checkpoint moved to {side}", file=sys.stderr)
+    from plot import read_jsonl
     with open(os.path.join(out, "events.jsonl"), "a") as f:  # the gap until this restart is no activity
-        for proc in ("trainer", "generator"):
+        for proc in ["trainer"] + sorted({e["proc"] for e in read_jsonl(os.path.join(out, "events.jsonl"))} - {"trainer"}):
             f.write(json.dumps(dict(t=state.get("saved_t", time.time()), proc=proc, what="stopped")) + "\n")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return max([json.loads(line).get("wall_s", 0.0) for line in f if line.strip()] or [0.0])

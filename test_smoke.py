@@ -41,9 +41,19 @@ def read(run, name):
 def test_regime_end_to_end(regime, tmp_path):
     run = str(tmp_path / regime)
     # the one run that plots also turns the format reward on, so its line is drawn (tiny never boxes: 0)
-    plot = ["--format-reward", "0.5"] if regime == "recompute" else ["--no-plot"]
+    plot = ["--format-reward", "0.5", "--tensorboard"] if regime == "recompute" else ["--no-plot"]
     train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *plot)
     check_run(run, regime, steps=3)
+    if regime == "recompute":  # --tensorboard: the same numbers as metrics.jsonl, read back
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        board = EventAccumulator(os.path.join(run, "tensorboard"))
+        board.Reload()
+        metrics = read(run, "metrics.jsonl")
+        for key in ("reward_mean", "eval_acc", "stale_token_frac"):
+            want = [(m["step"], m[key]) for m in metrics if key in m]
+            got = [(e.step, e.value) for e in board.Scalars(key)]
+            assert [s for s, _ in got] == [s for s, _ in want] and all(
+                abs(a - b) < 1e-6 for (_, a), (_, b) in zip(got, want)), (key, got, want)
 
 
 def check_run(run, regime, steps):
@@ -63,11 +73,13 @@ def check_run(run, regime, steps):
     assert all(m["eval_version"] == m["version"] + 1 for m in metrics if "eval_acc" in m)
     assert [m["version"] for m in metrics] == list(range(steps))
     events = read(run, "events.jsonl")
-    assert {e["proc"] for e in events} == {"trainer", "generator"}
+    n = cfg.get("engines", 1)
+    assert {e["proc"] for e in events} == {"trainer", *(["generator"] if n == 1 else [f"generator{i}" for i in range(n)])}
     assert {e["what"] for e in events if "what" in e} <= ACTIVITIES  # the others are marks (plot.py)
     assert any(e.get("what") == "loading" for e in events)
-    loads = [e["version"] for e in events if e.get("mark") == "load"]  # the last may not have been read
-    assert loads and loads == list(range(1, len(loads) + 1))
+    for proc in {e["proc"] for e in events} - {"trainer"}:  # each engine loads each version once, in order
+        loads = [e["version"] for e in events if e.get("mark") == "load" and e["proc"] == proc]
+        assert loads and loads == list(range(1, len(loads) + 1))  # (the last may not have been read)
     # the wasted-work ledger and answers.jsonl agree with metrics.jsonl
     led = json.load(open(os.path.join(run, "ledger.json")))["tokens"]
     answers = read(run, "answers.jsonl")

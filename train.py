@@ -6,12 +6,15 @@ generator gets new weights (--regime, see regimes.py).
     python train.py --regime stale --preset long               # long answers: stale tokens appear
     python train.py --regime recompute --dataset gsm8k         # Qwen3-0.6B, vLLM on GPU 0, trainer on GPU 1
     python train.py --resume out/<run>                         # continue a run where its checkpoint left it
+    torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines (ranks.py)
 
 Two processes: this one (the trainer) and the generator (generator.py: a vLLM
 engine stepped one decode step at a time). Finished answers come over a bounded
 queue; new weights go to the vLLM worker by torch.distributed broadcast after
 every optimizer step. What guards the run before it starts is in preflight.py,
-what keeps its directory (logs, checkpoint, resume) in rundir.py: one line each here.
+what keeps its directory (logs, checkpoint, resume) in rundir.py, what several
+trainer ranks add (torchrun, FSDP2) in ranks.py: one line each here. Read it with one
+process in mind: with one, each ranks.* call is the identity.
 
 The loss, and what it simplifies:
 - Reward (reward.py): 1 for a right final answer, else 0, or --format-reward for a
@@ -44,6 +47,7 @@ import time
 from data import UsageError, last_boxed
 from preflight import (check_budget, check_config, check_kv_plan, check_memory_plan, check_model, load_splits,
                        prepare)
+from ranks import Ranks
 from rundir import RunLog, cut_logs, load_trainer_state, resume_config, save_checkpoint, write_ledger
 
 # -----------------------------------------------------------------------------
@@ -118,8 +122,11 @@ def parse_config(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
     p.add_argument("--out", default=None, help="run directory (default: out/<regime>-<dataset>-s<seed>-<time>)")
     p.add_argument("--resume", default=None, help="run directory to continue from its checkpoint")
-    p.add_argument("--gen-device", default="auto", help="generator device: auto, cpu, cuda:N")
+    p.add_argument("--engines", type=int, default=1, help="generator engines, each its own process and vLLM engine")
+    p.add_argument("--gen-device", default="auto", help="generator device: auto, cpu, cuda:N, or one per engine: "
+                                                        "cuda:0,cuda:1 (auto: the first GPUs, the trainer's the next)")
     p.add_argument("--train-device", default="auto", help="trainer device: auto, cpu, cuda:N")
+    p.add_argument("--tensorboard", action="store_true", help="also write the metrics for TensorBoard, in <run>/tensorboard")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's share of its GPU (default 0.85 alone, 0.3 when sharing one GPU with the trainer)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG at the end")
@@ -159,7 +166,8 @@ def main(argv=None):
     from pace import Pool, pool_stats
     from reward import reward
 
-    env = prepare(cfg)  # devices, the model's directory, the generator's settings
+    ranks = Ranks()  # torchrun's trainer ranks, or this one process (ranks.py)
+    envs = prepare(cfg, ranks.world, ranks.local_rank)  # devices, the model's directory, the generators' settings
     check_model(cfg["model_path"])
     check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"],
                  cfg["max_model_len"], name=cfg["model"])
@@ -175,12 +183,8 @@ def main(argv=None):
                    start_group=progress["data_position"], skip_groups=progress["done_groups"],
                    start_stats=progress["gen_stats"])
     start_step, version = progress["step"], progress["version"]
-    os.makedirs(cfg["out"], exist_ok=True)
-    with open(os.path.join(cfg["out"], "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    print(json.dumps(cfg, indent=1))
-
-    check_memory_plan(cfg, LOGIT_CHUNK_BYTES)
+    check_memory_plan(cfg, LOGIT_CHUNK_BYTES, ranks.world)
+    ranks.start(device)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     # float32 master weights everywhere: AdamW at lr 1e-6 on bf16 weights of size ~0.02
     # rounds most updates away (bf16's spacing there is ~1e-4). On GPU the forward
@@ -189,18 +193,25 @@ def main(argv=None):
     gen_dtype = torch.float32 if cfg["gen_device"] == "cpu" else torch.bfloat16
     if device != "cpu":
         model.gradient_checkpointing_enable()  # long answers on a 0.6B model: trade compute for memory
+    model = ranks.shard(model)  # FSDP2 across the trainer ranks; one rank: the model as it is
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     if cfg.get("resume"):
-        opt.load_state_dict(state["opt"])
+        ranks.load_optimizer(model, opt, state, cfg["model_path"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+    if not ranks.is_main:  # trainer ranks 1..K-1: the same steps on their share of each batch
+        return follow(cfg, model, opt, ranks, start_step, gen_dtype, device)
+    os.makedirs(cfg["out"], exist_ok=True)
+    with open(os.path.join(cfg["out"], "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    print(json.dumps(cfg, indent=1))
 
     wall_s0 = cut_logs(cfg["out"], state) if cfg.get("resume") else 0.0  # resume: drop what came after the checkpoint
-    log = RunLog(cfg["out"])
+    log = RunLog(cfg["out"], cfg["tensorboard"])
     t_start = time.time() - wall_s0  # wall_s counts from here (a resumed run continues its clock)
     log.trainer("starting")
-    print(f"starting the generator ({cfg['gen_device']}, regime {cfg['regime']}) ...", flush=True)
-    gen = GeneratorHandle(cfg, env)
+    print(f"starting the generator ({', '.join(cfg['gen_devices'])}, regime {cfg['regime']}) ...", flush=True)
+    gen = GeneratorHandle(cfg, envs)  # one process per engine
     if problem := check_kv_plan(cfg, gen.engine_info):
         gen.stop()
         sys.exit(problem)
@@ -254,20 +265,16 @@ def main(argv=None):
             adv = advantages(rewards, cfg["group_size"])
             if cfg["truncated"] == "filter":  # DAPO's overlong filtering: no gradient from a cut answer
                 adv[truncated] = 0.0
-            adv = adv.to(device)
 
-            # 3. loss and one optimizer step (micro-batches accumulate into one gradient)
-            model.train()
-            for group in opt.param_groups:
-                group["lr"] = lr_at(cfg, step)
-            opt.zero_grad(set_to_none=True)
-            loss, behaviour_gap = train_step(cfg, model, batch, adv, device)
-            grad_norm = optimizer_step(model, opt, loss)
+            # 3. loss and one optimizer step (micro-batches accumulate into one gradient);
+            # several trainer ranks: each takes its share of the batch (ranks.py)
+            loss, behaviour_gap, grad_norm = optimize(cfg, model, opt, ranks, step, *ranks.scatter(
+                batch, adv, lambda answers: len(micro_batches(answers, cfg["micro_batch_tokens"]))), device)
 
             # 4. push the new weights to the generator (drain holds the push until its answers finish)
             log.trainer("syncing")
             t0 = time.time()
-            new_version = gen.push({k: v.to(gen_dtype) for k, v in model.state_dict().items()})
+            new_version = gen.push(*ranks.weights(model, gen_dtype))  # tensor by tensor, gathered from the ranks
             sync_s = time.time() - t0
 
             # 5. log what explains the run, evaluate the new weights, save
@@ -277,7 +284,7 @@ def main(argv=None):
                      trainer_wait_s=trainer_wait_s, stall_bound_s=round(gen.stall_bound(), 1),
                      truncated_frac=truncated.float().mean().item(),
                      boxed_frac=sum(last_boxed(t) is not None for t in texts) / len(batch),  # --format-reward's aim
-                     **batch_metrics(batch, adv.cpu(), version), **pool_stats(batch_groups, rejected, pool.complete, version),
+                     **batch_metrics(batch, adv, version), **pool_stats(batch_groups, rejected, pool.complete, version),
                      **generator_metrics(stats, last_stats, now - last_t),
                      **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}))
             last_stats, last_t, version = stats, now, new_version
@@ -289,9 +296,9 @@ def main(argv=None):
                   + f" | stale {100 * m['stale_token_frac']:.1f}% | lag {m['lag_mean']:.2f}"
                   + f" | {m['gen_tok_per_s']:.0f} tok/s | sync {sync_s:.2f}s | idle {m['gen_idle_s']:.2f}s"
                   + f" | wait {trainer_wait_s:.2f}s", flush=True)
-            if step == cfg["steps"] or cfg["save_every"] and step % cfg["save_every"] == 0:
+            if saves_at(cfg, step):
                 log.trainer("saving")
-                save_checkpoint(cfg, model, tokenizer, opt, dict(
+                save_checkpoint(cfg, model, tokenizer, opt, ranks, dict(
                     step=step, version=version, data_position=pool.position, done_groups=sorted(pool.done),
                     gen_stats=stats))
         log.trainer("done")
@@ -300,11 +307,40 @@ def main(argv=None):
         sys.exit(130)
     finally:
         gen.stop()
+        ranks.stop()
     print(f"done in {time.time() - t_start:.0f}s: {cfg['out']}")
     write_ledger(cfg, gen.stats)
     if not cfg["no_plot"]:
         from plot import plot_run
         print("plot:", plot_run(cfg["out"]))
+
+def optimize(cfg, model, opt, ranks, step, batch, adv, n_tokens, n_micro, device):
+    """One optimizer step on `batch` (this rank's share of the step's answers: all of
+    them with one rank), whose loss is the token-level mean over the n_tokens answer
+    tokens of the whole batch. Returns (loss, behaviour gap, gradient norm), over all ranks."""
+    model.train()
+    for group in opt.param_groups:
+        group["lr"] = lr_at(cfg, step)
+    opt.zero_grad(set_to_none=True)
+    loss, gap, gap_tokens = ranks.sum(*train_step(cfg, model, batch, adv.to(device), device, n_tokens, n_micro))
+    return loss, gap / max(1, gap_tokens), optimizer_step(model, opt, loss)
+
+
+def follow(cfg, model, opt, ranks, start_step, gen_dtype, device):
+    """Trainer ranks 1..K-1 under torchrun (ranks.py): each step, take the share of the
+    batch rank 0 hands out, the same optimizer step, help gather the weights rank 0
+    pushes and the checkpoints it saves. Rank 0 does everything else."""
+    for step in range(start_step + 1, cfg["steps"] + 1):
+        optimize(cfg, model, opt, ranks, step, *ranks.scatter(), device)
+        for _ in ranks.weights(model, gen_dtype)[1]:  # the gather is collective; rank 0 broadcasts
+            pass
+        if saves_at(cfg, step):
+            save_checkpoint(cfg, model, None, opt, ranks, {})
+    ranks.stop()
+
+
+def saves_at(cfg, step):
+    return step == cfg["steps"] or cfg["save_every"] and step % cfg["save_every"] == 0
 
 # -----------------------------------------------------------------------------
 # the helpers the loop teaches: advantages, log-probabilities over micro-batches, the loss, the schedule
@@ -359,9 +395,12 @@ def answer_logprobs(model, samples, temperature, device):
     for i, x in enumerate(seqs):
         ids[i, :len(x)], attn[i, :len(x)] = x, 1
     # use_cache=False: a training forward needs no KV cache (made by default, it would hold
-    # every layer's keys and values for the whole micro-batch: ~1.8 GB at 16k tokens on Qwen3-0.6B)
-    hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                 use_cache=False).last_hidden_state  # (B, W, H)
+    # every layer's keys and values for the whole micro-batch: ~1.8 GB at 16k tokens on Qwen3-0.6B).
+    # The model itself is called, for the last hidden states, not its decoder: under FSDP2 the
+    # root's hooks gather the weights (the lm_head's too) and reduce their gradients; logits_to_keep=1
+    # makes its own logits one position
+    hidden = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False, logits_to_keep=1,
+                   output_hidden_states=True).hidden_states[-1]  # (B, W, H), after the final norm
     # answer token j of sample i sits at position P+j and is predicted from position P+j-1
     rows = torch.cat([torch.arange(len(s["prompt_ids"]) - 1, len(x) - 1) + i * width
                       for i, (s, x) in enumerate(zip(samples, seqs))])
@@ -373,21 +412,28 @@ def answer_logprobs(model, samples, temperature, device):
                                  use_reentrant=False) for a in range(0, len(h), chunk)])
 
 
-def train_step(cfg, model, batch, adv, device):
+def train_step(cfg, model, batch, adv, device, n_tokens=None, n_micro=0):
     """Forward and backward of the whole batch, micro-batch by micro-batch
     (--micro-batch-tokens), gradients accumulating in .grad. Each micro-batch's
-    loss is divided by the answer tokens of the *whole* batch, so the gradient is
-    that of the token-level mean over the batch, whatever the split. Returns
-    (loss, mean |log pi - log mu| per token of the answers it ran).
+    loss is divided by the answer tokens of the *whole* batch (n_tokens: more than
+    `batch` holds when it is one rank's share), so the gradient is that of the
+    token-level mean over the batch, whatever the split. Returns the loss, and the sum
+    of |log pi - log mu| over the answer tokens it ran, and their number.
 
     An answer whose advantage is 0 (its group's rewards all equal) adds exactly 0 to
     the loss and its gradient, so it is not run at all: the gradient is the same,
-    for less work. On long-tailed tasks many groups are all right or all wrong."""
+    for less work. On long-tailed tasks many groups are all right or all wrong.
+    (Several ranks: every rank runs n_micro micro-batches, empty ones if it has fewer,
+    since FSDP2's gathers are collective: ranks.py.)"""
     import torch
-    n_tokens = sum(len(s["token_ids"]) for s in batch)
+    n_tokens = n_tokens or sum(len(s["token_ids"]) for s in batch)
     run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
     loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-    for idx in micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"]):
+    mbs = micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"])
+    for _ in range(n_micro - len(mbs)):  # an empty micro-batch: one token through the model, weighted 0
+        empty = dict(prompt_ids=torch.zeros(1, dtype=torch.long), token_ids=torch.zeros(1, dtype=torch.long))
+        (0 * answer_logprobs(model, [empty], cfg["temperature"], device).sum()).backward()
+    for idx in mbs:
         idx = [run[j] for j in idx]
         mb = [batch[i] for i in idx]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
@@ -399,7 +445,7 @@ def train_step(cfg, model, batch, adv, device):
         loss_sum += loss.detach()
         gap_sum += (logp.detach() - behaviour).abs().sum()
     run_tokens = sum(len(batch[i]["token_ids"]) for i in run)
-    return loss_sum.item(), gap_sum.item() / max(1, run_tokens)  # syncs: this, and `run` before any work is queued
+    return loss_sum.item(), gap_sum.item(), run_tokens  # syncs: these, and `run` before any work is queued
 
 
 def grpo_loss(cfg, logp, behaviour, adv):
@@ -441,7 +487,8 @@ def optimizer_step(model, opt, loss):
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()  # a CPU-GPU sync point
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # over every rank's shards under FSDP2
+    norm = getattr(norm, "full_tensor", lambda: norm)().item()  # a CPU-GPU sync point
     if not (math.isfinite(loss) and math.isfinite(norm)):
         raise TrainingDiverged(f"loss {loss}, gradient norm {norm}: not finite; stopped before the optimizer "
                                "step (lower --lr, or look at the step's behaviour_gap for broken logprobs)")

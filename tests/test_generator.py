@@ -19,13 +19,14 @@ from preflight import prepare
 from train import parse_config
 
 
-def start(regime, *extra, tmp="out/test"):
-    """A generator process as train.py starts it; returns (handle, cfg)."""
-    cfg = parse_config(["--regime", regime, "--out", tmp, *extra])
+def start(regime, *extra, tmp="out/test", **overrides):
+    """A generator process as train.py starts it; returns (handle, cfg). overrides:
+    settings train.py refuses (temperature 0: greedy answers to compare with HF's)."""
+    cfg = dict(parse_config(["--regime", regime, "--out", tmp, *extra]), **overrides)
     cores = os.sched_getaffinity(0)
-    env = prepare(cfg)  # pins this process to the trainer's half of the cores...
+    envs = prepare(cfg)  # pins this process to the trainer's half of the cores...
     os.sched_setaffinity(0, cores)  # ...which later tests and their subprocesses would inherit
-    return GeneratorHandle(cfg, env), cfg
+    return GeneratorHandle(cfg, envs), cfg
 
 
 def collect(gen, n, timeout=120):
@@ -71,8 +72,8 @@ def test_sync_is_exact(model_args=(), tol=1e-3):
     logprobs equal the HF model's. named_parameters() leaves the tied lm_head out
     and must be caught; the state_dict() must match. (test_smol.py runs it on
     SmolLM2 through `model_args`.)"""
-    gen, cfg = start("sync", "--temperature", "0", "--group-size", "1", "--prompts-per-step", "4",
-                     "--synth-steps", "3", "--max-new-tokens", "48", *model_args)
+    gen, cfg = start("sync", "--prompts-per-step", "4", "--synth-steps", "3", "--max-new-tokens", "48", *model_args,
+                     temperature=0.0, group_size=1)
     try:
         model = hf_model(cfg)
         eos = model.generation_config.eos_token_id  # tiny: 0; SmolLM2: <|im_end|>
@@ -145,7 +146,7 @@ def test_engine_settings_and_no_preemption():
     cfg = parse_config(["--regime", "stale", "--out", "out/test", "--synth-steps", "8", "--max-new-tokens", "96",
                         "--max-model-len", "256", "--prompts-per-step", "4", "--group-size", "2", "--max-lag", "0"])
     cores = os.sched_getaffinity(0)
-    env = prepare(cfg)
+    env, = prepare(cfg)
     os.sched_setaffinity(0, cores)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env, INFLIGHT_GEN_CORES="")  # the engine in this process, as bench_sync.py makes it
@@ -190,7 +191,7 @@ def test_recompute_counts_each_rebuild_once():
     cfg = parse_config(["--regime", "recompute", "--out", "out/test", "--synth-steps", "8", "--max-new-tokens", "96",
                         "--prompts-per-step", "12", "--group-size", "4", "--max-lag", "0"])
     cores = os.sched_getaffinity(0)
-    env = prepare(cfg)
+    env, = prepare(cfg)
     os.sched_setaffinity(0, cores)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env, INFLIGHT_GEN_CORES="")

@@ -120,6 +120,7 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
     import rundir
+    from ranks import Ranks
     from tools.tiny import RECIPE, build_model, build_tokenizer
     tok = build_tokenizer()
     model = build_model(len(tok), RECIPE)
@@ -130,7 +131,7 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
 
     def save(step):
-        rundir.save_checkpoint(cfg, model, tok, opt, step=step, version=step, data_position=4 * step)
+        rundir.save_checkpoint(cfg, model, tok, opt, Ranks(), dict(step=step, version=step, data_position=4 * step))
 
     def resumes_at(step):
         path = rundir.recover_checkpoint(str(tmp_path))

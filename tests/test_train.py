@@ -85,7 +85,7 @@ def test_micro_batched_gradients_equal_whole_batch(loss, advantages, monkeypatch
     monkeypatch.setattr(train, "LOGIT_CHUNK_BYTES", 7 * 4 * 97)  # 7 positions per logit chunk
     for budget in (100_000, 160, 40):  # one micro-batch; 4; 6 (the longest answers alone)
         model.zero_grad(set_to_none=True)
-        got_loss, _ = train.train_step(dict(cfg, micro_batch_tokens=budget), model, batch, adv, "cpu")
+        got_loss, *_ = train.train_step(dict(cfg, micro_batch_tokens=budget), model, batch, adv, "cpu")
         n_mb = len(train.micro_batches(batch, budget))
         assert n_mb == 1 if budget == 100_000 else n_mb >= 4
         assert abs(got_loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -117,7 +117,7 @@ def test_a_step_with_all_advantages_zero_is_still_an_adamw_step():
     ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a copy: loading shares the state's tensors
     zero = torch.zeros(4)
     opt.zero_grad(set_to_none=True)
-    loss, _ = train.train_step(cfg, ours, batch, zero, "cpu")
+    loss, *_ = train.train_step(cfg, ours, batch, zero, "cpu")
     assert all(p.grad is None for p in ours.parameters())  # nothing ran
     train.optimizer_step(ours, opt, loss)
     ref_opt.zero_grad(set_to_none=True)
@@ -142,7 +142,7 @@ def test_a_non_finite_gradient_stops_before_the_weights_change():
     batch = with_logprobs(batch_of([5, 9]))
     batch[1]["logprobs"][3] = -float("inf")
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    loss, _ = train.train_step(cfg, model, batch, torch.tensor([1.0, -1.0]), "cpu")
+    loss, *_ = train.train_step(cfg, model, batch, torch.tensor([1.0, -1.0]), "cpu")
     with pytest.raises(train.TrainingDiverged, match="not finite"):
         train.optimizer_step(model, opt, loss)
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
@@ -184,7 +184,7 @@ def test_generator_gpu_is_the_users_physical_gpu(monkeypatch):
         else:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         cfg = train.parse_config(["--dataset", "gsm8k", "--out", "out/test-devices"])
-        env = preflight.resolve_devices(cfg)
+        env, = preflight.resolve_devices(cfg)
         assert env["CUDA_VISIBLE_DEVICES"] == expect
         assert (cfg["gen_device"], cfg["train_device"], cfg["sync_backend"]) == ("cuda:0", "cuda:1", "nccl")
 
@@ -221,9 +221,11 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
 
 
 def test_gpu_check_on_cpu():
-    """tools/gpu_check.py, the GPU user's first command, run here with the tiny model: the sync
-    check and two regimes pass (the other regimes are covered by test_smoke.py)."""
+    """tools/gpu_check.py, the GPU user's first command, run here with the tiny model and
+    its multi-GPU checks: the sync check to 2 engines, and a regime under torchrun with 2
+    trainer ranks and 2 engines, pass (every regime: test_smoke.py, tests/test_ranks.py)."""
     r = subprocess.run([sys.executable, "tools/gpu_check.py", "--model", "tiny", "--dataset", "synth", "--steps", "2",
-                        "--regimes", "stale", "recompute", "--skip-bench"], capture_output=True, text=True, timeout=900)
+                        "--regimes", "recompute", "--engines", "2", "--ranks", "2", "--skip-bench"],
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("[PASS]") == 3 and "3/3 checks passed" in r.stdout
+    assert r.stdout.count("[PASS]") == 2 and "2/2 checks passed" in r.stdout

@@ -8,6 +8,7 @@ tokens/s, and peak memory beside train.py's memory plan.
     python tools/bench_train.py --shape gsm8k     # Qwen3-0.6B architecture, 32x8 answers up to 1024 tokens (a GPU)
     python tools/bench_train.py --shape math      # the same, answers up to 2048 tokens
     python tools/bench_train.py --shape small     # CPU, ~1 min: Qwen3's 151,936-token vocabulary, hidden 16 (the tests)
+    python tools/bench_train.py --plan            # no run: the memory plan per trainer rank, Qwen3 0.6B-8B, 1-8 ranks
 
 Answer lengths are drawn from a log-normal around --shape's median, capped at its
 max_new_tokens (a long tail reaching the cap); --worst-case makes every answer as
@@ -29,6 +30,13 @@ sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherev
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)  # Qwen/Qwen3-0.6B's config.json
+QWEN3 = {  # their config.json (Hub, 2025), as far as the memory plan reads it; 8B alone unties lm_head
+    "Qwen3-0.6B": QWEN3_06B,
+    "Qwen3-1.7B": dict(QWEN3_06B, hidden_size=2048, intermediate_size=6144),
+    "Qwen3-4B": dict(QWEN3_06B, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+    "Qwen3-8B": dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+}
 SHAPES = {  # the dataset defaults of train.py: 32 prompts x 8 answers
     "gsm8k": dict(arch=QWEN3_06B, answers=256, prompt=150, max_new_tokens=1024, median=300),
     "math": dict(arch=QWEN3_06B, answers=256, prompt=120, max_new_tokens=2048, median=600),
@@ -54,6 +62,22 @@ def make_batch(shape, worst_case, vocab, seed=0):
     return batch, adv
 
 
+def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
+    """The README's table: GiB per trainer rank on a GPU, by model and number of ranks."""
+    from transformers import AutoConfig
+    from preflight import memory_plan
+    from train import LOGIT_CHUNK_BYTES
+    cfg = dict(train_device="cuda:0", micro_batch_tokens=micro_batch_tokens)
+    print(f"| GiB per trainer rank (--micro-batch-tokens {micro_batch_tokens}) | parameters | "
+          + " | ".join(f"{k} rank{'s' * (k > 1)}" for k in world_sizes) + " |")
+    print("|---|---|" + "---|" * len(world_sizes))
+    for name, arch in QWEN3.items():
+        config = AutoConfig.for_model("qwen3", **arch)
+        plans = [memory_plan(cfg, config, LOGIT_CHUNK_BYTES, k) for k in world_sizes]
+        n = plans[0]["weights + grads (fp32)"] / 8
+        print(f"| {name} | {n / 1e9:.2f}B | " + " | ".join(f"{sum(p.values()) / 2**30:.1f}" for p in plans) + " |")
+
+
 def peak_bytes(device):
     import torch
     if device.startswith("cuda"):
@@ -68,11 +92,15 @@ def main(argv=None):
     p.add_argument("--micro-batch-tokens", type=int, default=16384, help="train.py's flag")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (the first one warms up)")
     p.add_argument("--worst-case", action="store_true", help="every answer as long as max_new_tokens")
+    p.add_argument("--plan", action="store_true", help="print preflight.memory_plan per trainer rank (GPU, "
+                                                      "--micro-batch-tokens) for Qwen3 0.6B-8B on 1-8 ranks, and stop")
     args = p.parse_args(argv)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from preflight import memory_plan
     from train import LOGIT_CHUNK_BYTES, micro_batches, train_step
+    if args.plan:
+        return print_plans(args.micro_batch_tokens)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda:0" if device == "cuda" else device
     shape = SHAPES[args.shape]
@@ -96,7 +124,7 @@ def main(argv=None):
     for _ in range(args.steps):
         t0 = time.time()
         opt.zero_grad(set_to_none=True)
-        loss, _ = train_step(cfg, model, batch, adv.to(device), device)
+        loss, *_ = train_step(cfg, model, batch, adv.to(device), device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if device.startswith("cuda"):

@@ -4,16 +4,19 @@ experiment the way the CPU tests say it does? One screen, pass/fail per check.
 
     python tools/gpu_check.py                             # Qwen/Qwen3-0.6B from the Hub, gsm8k prompts
     python tools/gpu_check.py --model /path/to/Qwen3-0.6B --data-file gsm8k_train.jsonl   # offline
+    python tools/gpu_check.py --engines 2 --ranks 2       # 4+ GPUs: 2 engines, 2 trainer ranks under torchrun
     python tools/gpu_check.py --model tiny --dataset synth # CPU: the tiny model (what the tests run)
 
 1. sync: after a push of perturbed weights, vLLM's generation-time logprobs of its
-   answers equal the trainer's logprobs of the same tokens under the pushed weights
+   answers (from every engine, with --engines N) equal the trainer's logprobs of the
+   same tokens under the pushed weights
    (float32 on CPU: max |diff| < 1e-3; bf16 on GPU: mean |diff| < 0.05 nats, since
    vLLM's bf16 kernels and the trainer's bf16 autocast round differently), and are
    far from the unperturbed weights' (mean > twice the tolerance: the check can tell).
-2. every regime, --steps short train.py runs with short answers: exit 0, versions
-   consecutive, lag within --max-lag, no stale token outside `stale`, no preempted
-   request; generation and training tokens/s, the trainer's peak memory, vLLM's KV.
+2. every regime, --steps short train.py runs with short answers (under torchrun with
+   --ranks K, with --engines N): exit 0, versions consecutive, lag within --max-lag, no
+   stale token outside `stale`, no preempted request, every engine's answers trained;
+   generation and training tokens/s, the trainer's peak memory, vLLM's KV.
 3. a weight push against a raw broadcast of the same bytes (bench_sync.py).
 It needs nothing from this repository beyond the code.
 """
@@ -21,6 +24,7 @@ It needs nothing from this repository beyond the code.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,7 +45,7 @@ def check_sync(args):
     from train import answer_logprobs, parse_config
     cfg = parse_config(["--regime", "stale", "--out", "out/gpu_check/sync", "--max-new-tokens", "64",
                         "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)])
-    env = prepare(cfg)
+    envs = prepare(cfg)
     device = cfg["train_device"]
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).to(device)
     gen_dtype = torch.float32 if cfg["gen_device"] == "cpu" else torch.bfloat16
@@ -50,11 +54,11 @@ def check_sync(args):
         old = {k: v.clone() for k, v in model.state_dict().items()}
         for v in model.state_dict().values():
             v += (torch.randn(v.shape, generator=g) * v.float().std().nan_to_num(0.0) * 0.2).to(v)
-    gen = GeneratorHandle(cfg, env)
+    gen = GeneratorHandle(cfg, envs)
     try:
         gen.push({k: v.to(gen_dtype) for k, v in model.state_dict().items()})
         samples = []
-        while len(samples) < 8:
+        while len(samples) < 8 or len({s["engine"] for s in samples}) < args.engines:
             msg = gen.get(timeout=300)
             assert msg is not None, "no answer from the generator within 300 s"
             if msg[0] == "sample" and (msg[1]["versions"] == 1).all() and len(msg[1]["versions"]):
@@ -70,12 +74,13 @@ def check_sync(args):
     diff = (new - mu).abs()
     d = diff.max().item() if kind == "max" else diff.mean().item()
     far = (before - mu).abs().mean().item()
-    return d < tol and far > 2 * tol, (f"{len(mu)} tokens of 8 answers: {kind} |vLLM - trainer| {d:.2e} (tolerance "
+    return d < tol and far > 2 * tol, (f"{len(mu)} tokens of {len(samples)} answers from {args.engines} engine(s): {kind} |vLLM - trainer| {d:.2e} (tolerance "
                                        f"{tol}); mean vs the unpushed weights {far:.2e} (must be > {2 * tol})")
 
 
 def common_flags(args):
-    flags = ["--dataset", args.dataset, "--temperature", "1.0", "--eval-every", "0", "--no-plot"]
+    flags = ["--dataset", args.dataset, "--temperature", "1.0", "--eval-every", "0", "--no-plot",
+             "--engines", str(args.engines)]
     for k in ("model", "data_file", "gen_device", "train_device"):
         if getattr(args, k):
             flags += ["--" + k.replace("_", "-"), getattr(args, k)]
@@ -85,10 +90,11 @@ def common_flags(args):
 def check_regime(args, regime):
     """Check 2 for one regime: a short train.py run, its metrics against the invariants."""
     out = os.path.join("out", "gpu_check", regime)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--regime", regime, "--out", out, "--steps", str(args.steps),
+    launch = [sys.executable] if args.ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                        "--nproc_per_node", str(args.ranks)]
+    cmd = [*launch, os.path.join(ROOT, "train.py"), "--regime", regime, "--out", out, "--steps", str(args.steps),
            "--max-new-tokens", "128", "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)]
-    if os.path.exists(os.path.join(out, "metrics.jsonl")):
-        os.remove(os.path.join(out, "metrics.jsonl"))
+    shutil.rmtree(out, ignore_errors=True)  # a run directory appends: start from none
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -107,6 +113,10 @@ def check_regime(args, regime):
         problems.append("stale tokens outside the stale regime")
     if any(x.get("preempted") for x in m):
         problems.append("vLLM preempted requests")
+    with open(os.path.join(out, "answers.jsonl")) as f:
+        engines = {json.loads(line)["engine"] for line in f}
+    if engines != set(range(args.engines)):
+        problems.append(f"answers from engines {sorted(engines)}, not all {args.engines}")
     steps_s = m[-1]["wall_s"] - m[0]["wall_s"]
     train_tok_s = sum(x["trained_tokens"] for x in m[1:]) / max(steps_s, 1e-9)
     peak = max((x.get("train_peak_gib", 0) for x in m), default=0)  # logged on a GPU only
@@ -135,6 +145,8 @@ def main(argv=None):
     p.add_argument("--gen-device", default=None, help="as train.py (default auto)")
     p.add_argument("--train-device", default=None, help="as train.py (default auto)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per regime")
+    p.add_argument("--engines", type=int, default=1, help="generator engines (train.py --engines)")
+    p.add_argument("--ranks", type=int, default=1, help="trainer ranks: the regime checks run under torchrun")
     p.add_argument("--regimes", nargs="+", default=["sync", "drain", "discard", "stale", "recompute"])
     p.add_argument("--skip-bench", action="store_true", help="skip check 3 (push vs raw broadcast)")
     args = p.parse_args(argv)

@@ -1,0 +1,263 @@
+"""
+Past two processes: trainer ranks under torchrun (FSDP2, ranks.py) and several vLLM
+engines, on CPU over gloo, the same code that runs NCCL on GPUs. One step on 2 ranks
+over a split batch is the step one process takes on the whole batch; a push from 2
+ranks reaches 2 engines exactly; train.py end to end with 2 ranks and 2 engines, a
+resume after kill -9, and the death of an engine or a rank ending the whole job.
+
+    .venv/bin/python -m pytest -q tests/test_ranks.py
+
+Slow on 2 cores (4 processes + torchrun's agent): ~10 minutes in all.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+HERE = os.path.abspath(__file__)
+SMALL = ["--eval-every", "2", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "6",
+         "--max-new-tokens", "64", "--no-plot", "--engines", "2"]
+
+
+def torchrun(*args, timeout=900, **kw):
+    """`torchrun --nproc_per_node 2 ...` (the module, as the venv has it), standalone: its
+    own rendezvous port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+
+
+def run(cmd, timeout=900):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+# -----------------------------------------------------------------------------
+# one step on 2 ranks == one step in one process
+
+
+def the_batch():
+    """Answers of very different lengths, some advantages 0 (not run), so that the
+    ranks get uneven tokens and different numbers of micro-batches."""
+    from test_train import batch_of, small_model, with_logprobs
+    batch = with_logprobs(batch_of([3, 150, 7, 90, 1, 40, 64, 11, 33]))
+    adv = torch.tensor([1.0, -1.0, 0.0, 2.0, -0.5, 0.0, 0.5, -2.0, 0.0])
+    return small_model(), batch, adv
+
+
+def step_cfg(loss):
+    return dict(loss=loss, is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=150)
+
+
+def grads_job(out, loss):
+    """Run by each of 2 ranks (torchrun): the step of train.optimize, gradients gathered."""
+    import torch.distributed as dist
+    import train
+    from ranks import Ranks
+    torch.set_num_threads(1)
+    ranks = Ranks()
+    ranks.start("cpu")
+    model, batch, adv = the_batch()
+    model = ranks.shard(model)
+    cfg = step_cfg(loss)
+    share, share_adv, n_tokens, n_micro = ranks.scatter(
+        batch, adv, lambda answers: len(train.micro_batches(answers, cfg["micro_batch_tokens"])))
+    mine = (sum(len(s["token_ids"]) for s in share), len(train.micro_batches(
+        [s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])))
+    total, gap, gap_tokens = ranks.sum(*train.train_step(cfg, model, share, share_adv, "cpu", n_tokens, n_micro))
+    grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+    split = [None, None]
+    dist.all_gather_object(split, mine)
+    if ranks.is_main:
+        torch.save(dict(loss=total, gap=gap / gap_tokens, grads=grads, split=split, n_micro=n_micro), out)
+    ranks.stop()
+
+
+@pytest.mark.parametrize("loss", ["tis", "ppo"])
+def test_two_ranks_take_the_step_one_process_takes(loss, tmp_path):
+    """The loss is the token-level mean over the whole batch whatever the ranks: the
+    gradient gathered from 2 FSDP2 ranks over a split batch equals one process's on the
+    whole batch (float32, relative 1e-5 of the largest entry), with uneven splits (one
+    rank more tokens and more micro-batches: the other runs empty ones)."""
+    import train
+    out = str(tmp_path / "grads.pt")
+    run(torchrun(HERE, "grads", out, loss))
+    got = torch.load(out, weights_only=False)
+    (tok0, mb0), (tok1, mb1) = got["split"]
+    assert tok0 != tok1 and mb0 != mb1 and got["n_micro"] == max(mb0, mb1)  # uneven
+    model, batch, adv = the_batch()
+    ref_loss, gap, gap_tokens = train.train_step(step_cfg(loss), model, batch, adv, "cpu")
+    assert abs(got["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert abs(got["gap"] - gap / gap_tokens) <= 1e-5 * abs(gap / gap_tokens)
+    scale = max(p.grad.abs().max() for p in model.parameters())
+    for k, p in model.named_parameters():
+        assert (got["grads"][k] - p.grad).abs().max() <= 1e-5 * scale, k
+
+# -----------------------------------------------------------------------------
+# a push from 2 ranks reaches 2 engines exactly
+
+
+def sync_job(out):
+    """Run by each of 2 ranks: rank 0 starts 2 engines; both ranks shard perturbed
+    weights and push them (rank 0 broadcasts what both gathered); rank 0 collects greedy
+    answers written by them from both engines."""
+    from test_generator import collect, hf_logprobs, hf_model, perturbed
+    from generator import GeneratorHandle
+    from preflight import prepare
+    from ranks import Ranks
+    from train import parse_config
+    ranks = Ranks()
+    cfg = dict(parse_config(["--regime", "sync", "--out", out + ".run", "--prompts-per-step", "4", "--synth-steps",
+                             "3", "--max-new-tokens", "48", "--engines", "2"]), temperature=0.0, group_size=1)
+    envs = prepare(cfg, ranks.world, ranks.local_rank)
+    ranks.start("cpu")
+    model = hf_model(cfg)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(perturbed(model, seed=2))
+    reference = hf_model(cfg)
+    reference.load_state_dict(model.state_dict())
+    model = ranks.shard(model)
+    if not ranks.is_main:
+        for _ in ranks.weights(model, torch.float32)[1]:
+            pass
+        return ranks.stop()
+    gen = GeneratorHandle(cfg, envs)
+    try:
+        collect(gen, 4)  # version 0's batch
+        assert gen.push(*ranks.weights(model, torch.float32)) == 1
+        samples = collect(gen, 4)
+    finally:
+        gen.stop()
+    eos = reference.generation_config.eos_token_id
+    result = dict(engines=sorted({s["engine"] for s in samples}), versions=[], same_tokens=[], diff=[], unpushed=[])
+    before = hf_model(cfg)
+    before.load_state_dict(original)
+    for s in samples:
+        prompt, tokens = s["prompt_ids"].tolist(), s["token_ids"].tolist()
+        greedy = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, pad_token_id=eos,
+                                    eos_token_id=eos)[0, len(prompt):].tolist()
+        result["versions"] += s["versions"].tolist()
+        result["same_tokens"].append(tokens == greedy)
+        result["diff"].append((hf_logprobs(reference, prompt, tokens) - s["logprobs"]).abs().max().item())
+        result["unpushed"].append((hf_logprobs(before, prompt, tokens) - s["logprobs"]).abs().max().item())
+    json.dump(result, open(out, "w"))
+    ranks.stop()
+
+
+def test_a_push_from_two_ranks_reaches_every_engine_exactly(tmp_path):
+    """After a push from 2 FSDP2 ranks, each of 2 engines writes HF's greedy tokens
+    under the pushed weights, with logprobs within test_sync_is_exact's tolerance; the
+    weights before the push are measurably different."""
+    out = str(tmp_path / "sync.json")
+    run(torchrun(HERE, "sync", out))
+    r = json.load(open(out))
+    assert r["engines"] == [0, 1] and set(r["versions"]) == {1}
+    assert all(r["same_tokens"]) and max(r["diff"]) < 1e-3, r
+    assert min(r["unpushed"]) > 1e-2, r
+
+# -----------------------------------------------------------------------------
+# train.py under torchrun, 2 ranks and 2 engines
+
+
+def check_engines(run_dir):
+    answers = [json.loads(line) for line in open(os.path.join(run_dir, "answers.jsonl"))]
+    assert {a["engine"] for a in answers} == {0, 1}
+    assert all(a["group_id"] % 2 == a["engine"] for a in answers)  # engine i writes the groups i mod 2
+    procs = {json.loads(line)["proc"] for line in open(os.path.join(run_dir, "events.jsonl"))}
+    assert procs == {"trainer", "generator0", "generator1"}
+
+
+def test_end_to_end_two_ranks_two_engines(tmp_path):
+    from test_smoke import check_run
+    run_dir = str(tmp_path / "stale")
+    run(torchrun("train.py", "--regime", "stale", "--out", run_dir, "--steps", "3", *SMALL))
+    check_run(run_dir, "stale", steps=3)
+    check_engines(run_dir)
+    assert os.path.isdir(os.path.join(run_dir, "ckpt", "optimizer"))  # the ranks' optimizer shards
+
+
+def start(*args):
+    return subprocess.Popen(torchrun("train.py", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for(proc, prefix, timeout=600):
+    t0 = time.time()
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return
+        assert time.time() - t0 < timeout
+    raise AssertionError(f"train.py ended before {prefix!r}: " + proc.stderr.read()[-3000:])
+
+
+def gone(procs, timeout):
+    """None of `procs` (psutil) is left within `timeout` s. torchrun starts each rank in
+    a session of its own: the job's processes are torchrun's descendants, taken before."""
+    deadline = time.time() + timeout
+    alive = lambda: [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while alive() and time.time() < deadline:
+        time.sleep(0.5)
+    return not alive()
+
+
+def job(proc):
+    """torchrun, its ranks and their engines."""
+    return [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+
+
+def test_resume_two_ranks_after_kill_9(tmp_path):
+    """recompute, 2 ranks and 2 engines: kill -9 of the whole job after a checkpoint,
+    --resume under torchrun: each step once, versions consecutive, the optimizer's
+    shards reloaded."""
+    from test_smoke import check_run
+    run_dir = str(tmp_path / "recompute")
+    proc = start("--regime", "recompute", "--out", run_dir, "--steps", "1000", "--save-every", "2", *SMALL,
+                 "--eval-every", "0")
+    wait_for(proc, "step 3 ")
+    procs = job(proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun: its ranks, in sessions of their own, notice and exit
+    proc.wait(timeout=30)
+    assert gone(procs, 60), procs
+    saved = torch.load(os.path.join(run_dir, "ckpt", "trainer_state.pt"), weights_only=False)
+    assert saved["world"] == 2 and saved["step"] >= 2
+    steps = saved["step"] + 2
+    run(torchrun("train.py", "--resume", run_dir, "--steps", str(steps)))
+    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["version"] for m in metrics] == list(range(steps))
+    assert all(m["recomputed_tokens"] >= 0 and m["stale_token_frac"] == 0 for m in metrics)
+    check_engines(run_dir)
+
+
+@pytest.mark.parametrize("victim", ["engine", "rank"])
+def test_a_dead_engine_or_rank_ends_the_job(victim, tmp_path):
+    """kill -9 of generator engine 1, or of trainer rank 1: the whole job ends, non-zero,
+    with a message naming it, within the stall bound (here 60 s), no process left."""
+    proc = start("--out", str(tmp_path / "run"), "--steps", "1000", *SMALL, "--eval-every", "0", "--stall-s", "60")
+    wait_for(proc, "step 1 ")
+    procs = job(proc)
+    if victim == "engine":
+        target = [p for p in procs if "inflight-generator1" in " ".join(p.cmdline())]
+    else:
+        target = [p for p in procs if p.environ().get("RANK") == "1"]
+    assert target, [(p.pid, p.name(), p.cmdline()[:4]) for p in procs]
+    t0 = time.time()
+    target[0].kill()
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0 and time.time() - t0 < 90, err[-3000:]
+    if victim == "engine":
+        assert "generator engine 1 process died" in err, err[-3000:]
+    else:
+        assert "rank: 1" in err or "local_rank: 1" in err, err[-3000:]
+    assert gone(procs, 30), procs
+
+
+if __name__ == "__main__":  # the jobs torchrun runs in each rank
+    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+    {"grads": grads_job, "sync": sync_job}[sys.argv[1]](*sys.argv[2:])

@@ -119,9 +119,9 @@ def test_killed_generator_is_noticed_fast():
         collect(gen, 1)
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) > 1:  # on CPU every generator thread keeps to its half of the cores (preflight.resolve_devices)
-            threads = os.listdir(f"/proc/{gen.proc.pid}/task")
+            threads = os.listdir(f"/proc/{gen.procs[0].pid}/task")
             assert {frozenset(os.sched_getaffinity(int(t))) for t in threads} == {frozenset(cores[:len(cores) // 2])}
-        os.kill(gen.proc.pid, signal.SIGKILL)
+        os.kill(gen.procs[0].pid, signal.SIGKILL)
         t0 = time.time()
         with pytest.raises(GeneratorDied, match="died"):
             while True:
@@ -131,7 +131,7 @@ def test_killed_generator_is_noticed_fast():
             gen.push(hf_model(cfg).state_dict())
     finally:
         gen.stop()
-    assert not gen.proc.is_alive()
+    assert not gen.procs[0].is_alive()
 
 
 def test_engine_settings_and_no_preemption():

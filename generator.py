@@ -268,6 +268,7 @@ class Generator:
         self.start_group = cfg["start_group"]
         self.next_group = self.start_group + (self.engine_id - self.start_group) % engines
         self.skip = set(cfg.get("skip_groups", ()))  # groups after it already consumed or rejected (resume)
+        self.rejected = 0  # groups the trainer's pool rejected since this generator started (may_admit)
         self.admitting = True  # drain turns this off while it finishes old answers
         self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
                           recomputed_tokens=0, loads=0, preempted=0)
@@ -330,16 +331,18 @@ class Generator:
     # -- the loop's parts
 
     def may_admit(self):
-        """AReaL's staleness bound: at most (version + max_lag + 1) batches ever
-        admitted; the trainer takes groups in admission order (pace.Pool), so nothing
-        admitted now is consumed more than max_lag versions after the weights that
-        started it. Groups the trainer's pool rejects
-        (--pool pace) still count: their places are not admitted again, so each
-        rejection shrinks the backlog for good. (Giving them back was tried: the
-        generator refilled the pool to the bound every step and PACE then rejected
-        56 of every 72 groups, most of them fresh; RESULTS.md, PACE.)"""
+        """AReaL's staleness bound: at most (version + max_lag + 1) batches admitted,
+        not counting the groups the trainer's pool has rejected (--pool pace). The
+        trainer takes groups in admission order (pace.Pool), so nothing admitted now is
+        consumed more than max_lag versions after the weights that started it: this
+        bounds the *generation* staleness of what is trained. A rejected group leaves
+        its place to a new one, so a generator faster than the trainer keeps the pool
+        above PACE's target and PACE keeps rejecting the stalest (its *waiting*
+        staleness), as its abstract describes. (Counting rejected groups as admitted,
+        as before, let PACE reject once and never again: after one burst the pool could
+        not exceed its target; RESULTS.md, PACE.)"""
         versions = self.version - self.start_version + self.cfg["max_lag"] + 1
-        budget = self.start_group + versions * self.cfg["prompts_per_step"]
+        budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
         return (self.admitting and self.next_group < budget and len(self.outbox) < self.cfg["queue_size"]
                 and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers)
 
@@ -497,6 +500,7 @@ def run_generator(cfg, samples_q, control_q, trainer):
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     idle, steps, recent = False, 0, collections.deque(maxlen=256)  # recent: engine step times, s
     last_put = time.time()
+    cpu_s0 = (cfg.get("start_stats") or {}).get("cpu_s", 0.0)  # resume: the CPU time before the checkpoint
     while True:
         if os.getppid() != trainer:  # the trainer died without a word (kill -9): nobody is listening
             samples_q.cancel_join_thread()  # so exiting does not wait to flush a pipe no one reads
@@ -508,8 +512,8 @@ def run_generator(cfg, samples_q, control_q, trainer):
             while True:
                 if msg[0] == "stop":
                     return
-                if msg[0] == "weights":
-                    pending = msg[1:]
+                if msg[0] == "weights":  # (version, specs, groups the pool has rejected)
+                    pending, gen.rejected = msg[1:3], msg[3]
                 else:
                     evals.append(msg[1:])
                 msg = control_q.get_nowait()
@@ -540,8 +544,8 @@ def run_generator(cfg, samples_q, control_q, trainer):
             outbox.append(("alive", gen.engine_id))  # stall watchdog tells a stuck engine from an idle one
         while outbox:  # never block on a full queue: the control queue must stay served
             kind, item = outbox[0]
-            if kind == "sample":
-                item["gen_stats"] = dict(gen.stats, version=gen.version)
+            if kind == "sample":  # cpu_s: this process's CPU time, every thread (what a GPU's busy time would be)
+                item["gen_stats"] = dict(gen.stats, version=gen.version, cpu_s=time.process_time() + cpu_s0)
             try:
                 samples_q.put_nowait((kind, item))
             except queue.Full:
@@ -760,9 +764,10 @@ class GeneratorHandle:
         self.stall_report = "\n".join(reports)
         return self.stall_report
 
-    def push(self, specs, tensors=None):
+    def push(self, specs, tensors=None, rejected=0):
         """Broadcast new weights to every engine: `specs` (weight_specs) first, then the
-        tensors, in that order (or a state dict alone, both at once); returns once every engine has received them (each loads
+        tensors, in that order (or a state dict alone, both at once), and how many
+        groups the trainer's pool has rejected (they no longer count as admitted); returns once every engine has received them (each loads
         them before its next engine step). Blocks while a regime makes its engine wait
         (drain: until its answers in flight finish: the broadcast is collective, so every
         engine waits for the one with the longest tail) -- that wait is part of the sync
@@ -775,7 +780,7 @@ class GeneratorHandle:
         timeout = self.stall_bound()
         self.version += 1
         for q in self.control_qs:
-            q.put(("weights", self.version, specs))
+            q.put(("weights", self.version, specs, rejected))
         watchdog = threading.Timer(timeout, self.stop_stalled, (timeout, "not taking new weights"))
         watchdog.daemon = True
         watchdog.start()

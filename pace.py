@@ -112,6 +112,7 @@ class Pool:
     def __init__(self, cfg, position=0, done=()):
         self.cfg, self.position, self.done = cfg, position, set(done)
         self.partial, self.complete, self.rejected = {}, {}, []  # group id -> answers; rejected groups
+        self.n_rejected = 0  # groups rejected since this pool started: the generator admits as many more
 
     def add(self, sample):
         g = self.partial.setdefault(sample["group_id"], [])
@@ -138,6 +139,7 @@ class Pool:
             rejected = reject_stalest(self.complete, n, version, self.cfg["pace_lambda"], target)
             self.mark_done(grp[0]["group_id"] for grp in rejected)
             self.rejected += rejected
+            self.n_rejected += len(rejected)
             if rejected:
                 return self.take(version)  # needs replacements if it rejected the step's groups
         consumed = [self.complete.pop(g) for g in ids]

@@ -11,10 +11,11 @@ is a no-op or the identity, and train.py runs exactly as it always has. With K r
   one sample queue, forms each step's batch with the pool, computes the rewards and
   advantages, and hands each rank its share (scatter: answers balanced by tokens). Ranks
   1..K-1 run train.follow: receive a share, take the same optimizer step, help gather.
-- The loss stays the token-level mean over the *whole* batch: each rank divides by the
-  batch's token count (not its share's), and FSDP2's reduce-scatter sums the ranks'
-  gradients instead of averaging them (set_gradient_divide_factor(1), as torchtitan).
-  The gradient does not depend on K (tests/test_ranks.py).
+- The loss stays the mean over the *whole* batch: rank 0 weighs each answer's tokens
+  for the whole batch (train.token_weights) before it splits it, and FSDP2's
+  reduce-scatter sums the ranks' gradients instead of averaging them
+  (set_gradient_divide_factor(1), as torchtitan). The gradient does not depend on K
+  (tests/test_ranks.py).
 - FSDP2 all-gathers each layer's weights in forward and reduce-scatters in backward:
   collectives every rank must join, so every rank runs as many micro-batches as the
   busiest one (a rank with fewer runs empty ones, weighted 0).
@@ -91,13 +92,13 @@ class Ranks:
                 m.set_force_sum_reduction_for_comms(True)  # factor alone would ask of NCCL)
         return model
 
-    def scatter(self, batch=None, adv=None, count_micro_batches=None):
+    def scatter(self, batch=None, adv=None, weights=None, count_micro_batches=None):
         """Rank 0: split the batch across the ranks, longest answers first to the rank
         with the fewest tokens so far. Every rank returns (its answers, their advantages,
-        the whole batch's answer tokens, the micro-batches every rank must run: the most
+        their token weights, the micro-batches every rank must run: the most
         count_micro_batches gives any rank's answers whose advantage is not 0)."""
         if self.world == 1:
-            return batch, adv, sum(len(s["token_ids"]) for s in batch), 0
+            return batch, adv, weights, 0
         import torch.distributed as dist
         parts = None
         if self.is_main:
@@ -107,7 +108,7 @@ class Ranks:
                 shares[r].append(i)
                 tokens[r] += len(batch[i]["token_ids"])
             n_micro = max(count_micro_batches([batch[i] for i in idx if adv[i] != 0]) for idx in shares)
-            parts = [([batch[i] for i in idx], adv[idx].cpu(), sum(tokens), n_micro) for idx in shares]
+            parts = [([batch[i] for i in idx], adv[idx].cpu(), weights[idx].cpu(), n_micro) for idx in shares]
         out = [None]
         dist.scatter_object_list(out, parts, src=0, group=self.objects)
         return out[0]

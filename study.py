@@ -115,7 +115,7 @@ def update(model, samples, problems, tokenizer, cfg, device):
     Returns the rewards."""
     import torch
     from reward import score
-    from train import answer_logprobs, micro_batches, train_step
+    from train import answer_logprobs, micro_batches, token_weights, train_step
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in samples], skip_special_tokens=True)
     rewards = torch.tensor([score(t, problems[s["prompt"]]["answer"], cfg["dataset"]) for t, s in zip(texts, samples)])
     r = rewards.view(-1, cfg["group_size"])
@@ -127,11 +127,12 @@ def update(model, samples, problems, tokenizer, cfg, device):
             logp = answer_logprobs(model, [samples[i] for i in idx], 1.0, device).cpu()
             for i, row in zip(idx, logp.split([len(samples[i]["token_ids"]) for i in idx])):
                 samples[i]["logprobs"] = row
-    loss_cfg = dict(loss="tis", is_cap=2.0, temperature=1.0, micro_batch_tokens=cfg["micro_batch_tokens"])
+    loss_cfg = dict(loss="tis", is_cap=2.0, temperature=1.0, micro_batch_tokens=cfg["micro_batch_tokens"],
+                    loss_agg="token")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     for _ in range(cfg["updates"]):
         opt.zero_grad(set_to_none=True)
-        train_step(loss_cfg, model, samples, adv, device)
+        train_step(loss_cfg, model, samples, adv, token_weights(loss_cfg, samples), device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as train.py
         opt.step()
     return rewards

@@ -30,7 +30,9 @@ The loss, and what it simplifies:
                 loss = -(prox/mu) * min(r*A, clip(r, 1-eps, 1+eps)*A), r = pi/prox.
                 With one optimizer step per batch (as here) r = 1 at the only
                 step, so the clip never binds and this equals uncapped IS.
-- Token-level mean over the batch (every token counts the same), accumulated over
+- The mean over the batch's tokens (--loss-agg token: every token counts the same),
+  or over answers of each answer's mean (answer: the original GRPO), or the sum over
+  tokens over answers x --max-new-tokens (constant: Dr. GRPO), accumulated over
   micro-batches of --micro-batch-tokens (train_step), no KL term, no
   entropy bonus, one optimizer step per batch, AdamW with a linear warmup
   (--warmup-steps), then a constant or cosine-decayed learning rate (--lr-schedule).
@@ -106,6 +108,9 @@ def parse_config(argv=None):
                    help="an answer cut at --max-new-tokens earns reward 0 (zero), and with filter is also left out "
                         "of the loss (DAPO's overlong filtering)")
     p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="off-policy correction (see docstring)")
+    p.add_argument("--loss-agg", default="token", choices=["token", "answer", "constant"],
+                   help="how the loss averages over tokens (token_weights): every token alike, every answer alike, "
+                        "or a constant normaliser")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss ppo")
     p.add_argument("--max-lag", type=int, default=None,
@@ -175,7 +180,7 @@ def main(argv=None):
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
     # what a checkpoint saves of the run's progress (rundir.save_checkpoint): zero at the start
-    progress = dict(step=0, version=0, data_position=0, done_groups=[], gen_stats={})
+    progress = dict(step=0, version=0, data_position=0, done_groups=[], gen_stats={}, trainer_cpu_s=0.0)
     if cfg.get("resume"):
         state = load_trainer_state(cfg["resume"])
         progress = {k: state.get(k, v) for k, v in progress.items()}
@@ -217,6 +222,7 @@ def main(argv=None):
         sys.exit(problem)
     pool = Pool(cfg, progress["data_position"], progress["done_groups"])  # finished answers, by group (pace.py)
     last_stats, last_t = dict(gen.stats), time.time()
+    cpu_s0 = progress["trainer_cpu_s"] - time.process_time()  # resume: the trainer's CPU time at the checkpoint
     eval_prompt_ids = eval_prompts(tokenizer, test, cfg["dataset"])
 
     def intake(msg):
@@ -265,16 +271,18 @@ def main(argv=None):
             adv = advantages(rewards, cfg["group_size"])
             if cfg["truncated"] == "filter":  # DAPO's overlong filtering: no gradient from a cut answer
                 adv[truncated] = 0.0
+            weights = token_weights(cfg, batch)  # how the loss averages over the batch's tokens
 
             # 3. loss and one optimizer step (micro-batches accumulate into one gradient);
             # several trainer ranks: each takes its share of the batch (ranks.py)
             loss, behaviour_gap, grad_norm = optimize(cfg, model, opt, ranks, step, *ranks.scatter(
-                batch, adv, lambda answers: len(micro_batches(answers, cfg["micro_batch_tokens"]))), device)
+                batch, adv, weights, lambda answers: len(micro_batches(answers, cfg["micro_batch_tokens"]))), device)
 
             # 4. push the new weights to the generator (drain holds the push until its answers finish)
             log.trainer("syncing")
             t0 = time.time()
-            new_version = gen.push(*ranks.weights(model, gen_dtype))  # tensor by tensor, gathered from the ranks
+            # tensor by tensor, gathered from the ranks; rejected groups leave their places to new ones
+            new_version = gen.push(*ranks.weights(model, gen_dtype), rejected=pool.n_rejected)
             sync_s = time.time() - t0
 
             # 5. log what explains the run, evaluate the new weights, save
@@ -286,6 +294,7 @@ def main(argv=None):
                      boxed_frac=sum(last_boxed(t) is not None for t in texts) / len(batch),  # --format-reward's aim
                      **batch_metrics(batch, adv, version), **pool_stats(batch_groups, rejected, pool.complete, version),
                      **generator_metrics(stats, last_stats, now - last_t),
+                     cpu_s=round(time.process_time() + cpu_s0 + stats.get("cpu_s", 0.0), 1),  # both processes, so far
                      **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}))
             last_stats, last_t, version = stats, now, new_version
             if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
@@ -300,7 +309,7 @@ def main(argv=None):
                 log.trainer("saving")
                 save_checkpoint(cfg, model, tokenizer, opt, ranks, dict(
                     step=step, version=version, data_position=pool.position, done_groups=sorted(pool.done),
-                    gen_stats=stats))
+                    gen_stats=stats, trainer_cpu_s=time.process_time() + cpu_s0))
         log.trainer("done")
     except KeyboardInterrupt:
         print("interrupted: stopping the generator", file=sys.stderr)
@@ -314,15 +323,17 @@ def main(argv=None):
         from plot import plot_run
         print("plot:", plot_run(cfg["out"]))
 
-def optimize(cfg, model, opt, ranks, step, batch, adv, n_tokens, n_micro, device):
+
+def optimize(cfg, model, opt, ranks, step, batch, adv, weights, n_micro, device):
     """One optimizer step on `batch` (this rank's share of the step's answers: all of
-    them with one rank), whose loss is the token-level mean over the n_tokens answer
-    tokens of the whole batch. Returns (loss, behaviour gap, gradient norm), over all ranks."""
+    them with one rank), each answer's tokens weighted by `weights` (token_weights, of
+    the whole batch). Returns (loss, behaviour gap, gradient norm), over all ranks."""
     model.train()
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, step)
     opt.zero_grad(set_to_none=True)
-    loss, gap, gap_tokens = ranks.sum(*train_step(cfg, model, batch, adv.to(device), device, n_tokens, n_micro))
+    loss, gap, gap_tokens = ranks.sum(*train_step(cfg, model, batch, adv.to(device), weights.to(device), device,
+                                                  n_micro))
     return loss, gap / max(1, gap_tokens), optimizer_step(model, opt, loss)
 
 
@@ -412,13 +423,13 @@ def answer_logprobs(model, samples, temperature, device):
                                  use_reentrant=False) for a in range(0, len(h), chunk)])
 
 
-def train_step(cfg, model, batch, adv, device, n_tokens=None, n_micro=0):
+def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
     """Forward and backward of the whole batch, micro-batch by micro-batch
-    (--micro-batch-tokens), gradients accumulating in .grad. Each micro-batch's
-    loss is divided by the answer tokens of the *whole* batch (n_tokens: more than
-    `batch` holds when it is one rank's share), so the gradient is that of the
-    token-level mean over the batch, whatever the split. Returns the loss, and the sum
-    of |log pi - log mu| over the answer tokens it ran, and their number.
+    (--micro-batch-tokens), gradients accumulating in .grad. Every token of answer i
+    counts with weights[i], which token_weights computes for the *whole* batch (more
+    than `batch` holds when it is one rank's share), so the gradient is that of the
+    batch's loss whatever the split. Returns the loss, and the sum of |log pi - log mu|
+    over the answer tokens it ran, and their number.
 
     An answer whose advantage is 0 (its group's rewards all equal) adds exactly 0 to
     the loss and its gradient, so it is not run at all: the gradient is the same,
@@ -426,7 +437,6 @@ def train_step(cfg, model, batch, adv, device, n_tokens=None, n_micro=0):
     (Several ranks: every rank runs n_micro micro-batches, empty ones if it has fewer,
     since FSDP2's gathers are collective: ranks.py.)"""
     import torch
-    n_tokens = n_tokens or sum(len(s["token_ids"]) for s in batch)
     run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
     loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     mbs = micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"])
@@ -440,7 +450,8 @@ def train_step(cfg, model, batch, adv, device, n_tokens=None, n_micro=0):
             logp = answer_logprobs(model, mb, cfg["temperature"], device)  # (N_mb,)
         behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)
         a = torch.cat([adv[i].expand(len(batch[i]["token_ids"])) for i in idx])
-        loss = grpo_loss(cfg, logp, behaviour, a) / n_tokens
+        w = torch.cat([weights[i].expand(len(batch[i]["token_ids"])) for i in idx])
+        loss = grpo_loss(cfg, logp, behaviour, a, w)
         loss.backward()
         loss_sum += loss.detach()
         gap_sum += (logp.detach() - behaviour).abs().sum()
@@ -448,9 +459,24 @@ def train_step(cfg, model, batch, adv, device, n_tokens=None, n_micro=0):
     return loss_sum.item(), gap_sum.item(), run_tokens  # syncs: these, and `run` before any work is queued
 
 
-def grpo_loss(cfg, logp, behaviour, adv):
-    """logp, behaviour, adv: (N,) per answer token. Returns the *sum* of the per-token
-    surrogate; train_step divides by the batch's token count."""
+def token_weights(cfg, batch):
+    """(answers,): how much each token of each answer counts in the loss (--loss-agg).
+    A token-level mean over the batch weights every token alike, so long answers
+    dominate; the per-answer mean (the original GRPO) weights every answer alike, its
+    tokens 1/length each; Dr. GRPO's constant normaliser (answers x --max-new-tokens)
+    weights every token alike but does not shrink a batch of short answers' gradient."""
+    import torch
+    lengths = torch.tensor([len(s["token_ids"]) for s in batch], dtype=torch.float32)
+    if cfg["loss_agg"] == "token":
+        return torch.full_like(lengths, 1 / max(1.0, lengths.sum().item()))
+    if cfg["loss_agg"] == "answer":
+        return 1 / (lengths.clamp(min=1) * len(batch))
+    return torch.full_like(lengths, 1 / (len(batch) * cfg["max_new_tokens"]))
+
+
+def grpo_loss(cfg, logp, behaviour, adv, weight):
+    """logp, behaviour, adv, weight: (N,) per answer token. Returns the weighted sum
+    of the per-token surrogate (token_weights make it a mean)."""
     import torch
     if cfg["loss"] == "tis":
         w = torch.exp(logp.detach() - behaviour).clamp(max=cfg["is_cap"])
@@ -460,7 +486,7 @@ def grpo_loss(cfg, logp, behaviour, adv):
         r = torch.exp(logp - prox)
         eps = cfg["clip_eps"]
         per_token = -torch.exp(prox - behaviour) * torch.min(r * adv, r.clamp(1 - eps, 1 + eps) * adv)
-    return per_token.sum()
+    return (per_token * weight).sum()
 
 
 def lr_at(cfg, step):

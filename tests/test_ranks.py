@@ -51,7 +51,8 @@ def the_batch():
 
 
 def step_cfg(loss):
-    return dict(loss=loss, is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=150)
+    return dict(loss=loss, is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=150,
+                loss_agg="answer" if loss == "ppo" else "token", max_new_tokens=160)
 
 
 def grads_job(out, loss):
@@ -65,11 +66,11 @@ def grads_job(out, loss):
     model, batch, adv = the_batch()
     model = ranks.shard(model)
     cfg = step_cfg(loss)
-    share, share_adv, n_tokens, n_micro = ranks.scatter(
-        batch, adv, lambda answers: len(train.micro_batches(answers, cfg["micro_batch_tokens"])))
+    share, share_adv, weights, n_micro = ranks.scatter(
+        batch, adv, train.token_weights(cfg, batch), lambda answers: len(train.micro_batches(answers, cfg["micro_batch_tokens"])))
     mine = (sum(len(s["token_ids"]) for s in share), len(train.micro_batches(
         [s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])))
-    total, gap, gap_tokens = ranks.sum(*train.train_step(cfg, model, share, share_adv, "cpu", n_tokens, n_micro))
+    total, gap, gap_tokens = ranks.sum(*train.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro))
     grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
     split = [None, None]
     dist.all_gather_object(split, mine)
@@ -83,7 +84,8 @@ def test_two_ranks_take_the_step_one_process_takes(loss, tmp_path):
     """The loss is the token-level mean over the whole batch whatever the ranks: the
     gradient gathered from 2 FSDP2 ranks over a split batch equals one process's on the
     whole batch (float32, relative 1e-5 of the largest entry), with uneven splits (one
-    rank more tokens and more micro-batches: the other runs empty ones)."""
+    rank more tokens and more micro-batches: the other runs empty ones); ppo with the
+    per-answer mean (--loss-agg answer), whose weights depend on the whole batch."""
     import train
     out = str(tmp_path / "grads.pt")
     run(torchrun(HERE, "grads", out, loss))
@@ -91,7 +93,8 @@ def test_two_ranks_take_the_step_one_process_takes(loss, tmp_path):
     (tok0, mb0), (tok1, mb1) = got["split"]
     assert tok0 != tok1 and mb0 != mb1 and got["n_micro"] == max(mb0, mb1)  # uneven
     model, batch, adv = the_batch()
-    ref_loss, gap, gap_tokens = train.train_step(step_cfg(loss), model, batch, adv, "cpu")
+    cfg = step_cfg(loss)
+    ref_loss, gap, gap_tokens = train.train_step(cfg, model, batch, adv, train.token_weights(cfg, batch), "cpu")
     assert abs(got["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
     assert abs(got["gap"] - gap / gap_tokens) <= 1e-5 * abs(gap / gap_tokens)
     scale = max(p.grad.abs().max() for p in model.parameters())

@@ -230,6 +230,25 @@ def test_max_lag_bounds_lag_when_long_answers_are_overtaken(tmp_path):
     assert any(done[g] > done[h] for g in done for h in done if h > g), "no group was overtaken: nothing tested"
 
 
+def test_pace_keeps_rejecting_within_the_lag_bound(tmp_path):
+    """--pool pace with the generator free to run ahead (--max-lag 3) of a trainer that
+    waits for the oldest groups: rejected groups leave their places to new ones, so
+    PACE rejects at more than one step (before: once, then never again), no rejected
+    answer is trained, and no trained token is more than --max-lag versions old."""
+    run = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "train.py", "--out", run, "--steps", "10", *SMALL, *LONG_TAIL,
+                        "--max-lag", "3", "--pool", "pace"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    metrics = [m for m in read(run, "metrics.jsonl") if "rejected_groups" in m]
+    assert sum(m["rejected_groups"] > 0 for m in metrics) >= 2, [m["rejected_groups"] for m in metrics]
+    assert all(m["lag_max"] <= 3 for m in metrics)
+    answers = read(run, "answers.jsonl")
+    rejected = {a["group_id"] for a in answers if a["fate"] == "rejected"}
+    consumed = {a["group_id"] for a in answers if a["fate"] == "consumed"}
+    assert rejected and not rejected & consumed
+    assert len(consumed) == 10 * 4 and len({a["sample_id"] for a in answers}) == len(answers)
+
+
 def test_resume_after_kill_9_loses_and_repeats_nothing(tmp_path):
     """kill -9 between two checkpoints, --resume: every step once, versions consecutive,
     every group consumed once and none lost (its answers once in answers.jsonl), the

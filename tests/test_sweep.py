@@ -39,3 +39,19 @@ def test_sweep_writes_tables_and_figures(tmp_path):
     r = subprocess.run([sys.executable, "tools/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
                         "--out", out], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "2 of 2 runs finished already, 0 to run" in r.stdout, r.stdout + r.stderr
+
+
+def test_time_to_and_paired_by_hand():
+    """The analysis' two measures, against numbers worked by hand: time to target on the
+    3-eval smoothed curve, interpolated; a paired difference and its bootstrap interval."""
+    from tools.sweep import paired, smooth, time_to
+    curve = [(0, 0.40), (100, 0.46), (200, 0.52), (300, 0.58)]
+    # smoothed: 0.43, 0.46, 0.52, 0.55; 0.50 is crossed between 100 s and 200 s, a third of the way
+    assert [round(a, 3) for _, a in smooth(curve)] == [0.43, 0.46, 0.52, 0.55]
+    assert abs(time_to(curve, 0.50) - (100 + 100 * 0.04 / 0.06)) < 1e-9
+    assert time_to(curve, 0.60) is None and time_to(curve, 0.40) == 0
+    rows = [dict(regime=reg, pool="fifo", seed=s, v=v) for reg, vals in
+            (("stale", [3.0, 4.0, 5.0]), ("drain", [1.0, 1.0, 2.0, 9.0])) for s, v in enumerate(vals)]
+    mean, (lo, hi), n = paired(rows, ("stale", "fifo"), ("drain", "fifo"), lambda r: r["v"])
+    assert (mean, n) == (8 / 3, 3)  # seeds 0-2: 2, 3, 3; seed 3 has no stale run
+    assert lo == 2.0 and hi == 3.0  # every resample's mean lies in [2, 3] and both ends are drawn

@@ -37,7 +37,9 @@ def batch_of(lengths, vocab=97, seed=1):
 
 def reference_grads(cfg, model, batch, adv):
     """The loss written out independently: whole-batch full-vocabulary logits, one
-    forward, a mask, the token-level mean over the batch (the pre-micro-batch code)."""
+    forward, a mask, then each --loss-agg's mean as its paper writes it: over the
+    batch's tokens (the pre-micro-batch code), over answers of each answer's token mean
+    (GRPO), or the token sum over answers x max_new_tokens (Dr. GRPO)."""
     model.zero_grad(set_to_none=True)
     seqs = [torch.cat([s["prompt_ids"], s["token_ids"]]) for s in batch]
     W = max(map(len, seqs))
@@ -58,7 +60,13 @@ def reference_grads(cfg, model, batch, adv):
     else:
         r = torch.exp(logp - logp.detach())
         per_token = -torch.exp(logp.detach() - mu) * torch.min(r * A, r.clamp(0.8, 1.2) * A)
-    loss = (per_token * mask).sum() / mask.sum()
+    agg = cfg.get("loss_agg", "token")
+    if agg == "token":
+        loss = (per_token * mask).sum() / mask.sum()
+    elif agg == "answer":
+        loss = ((per_token * mask).sum(1) / mask.sum(1)).mean()
+    else:
+        loss = (per_token * mask).sum() / (len(batch) * cfg["max_new_tokens"])
     loss.backward()
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
@@ -68,24 +76,26 @@ ADVANTAGES = {"nonzero": [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1],
 
 
 @pytest.mark.parametrize("advantages", sorted(ADVANTAGES))
-@pytest.mark.parametrize("loss", ["tis", "ppo"])
-def test_micro_batched_gradients_equal_whole_batch(loss, advantages, monkeypatch):
+@pytest.mark.parametrize("loss, agg", [("tis", "token"), ("ppo", "token"), ("tis", "answer"), ("tis", "constant")])
+def test_micro_batched_gradients_equal_whole_batch(loss, agg, advantages, monkeypatch):
     """Whole batch in one micro-batch, and split into many with logits in chunks of 7
     positions: the same loss and gradient as the reference, to float32 rounding
     (relative 1e-5 of the largest gradient entry; measured ~1e-7). With some advantages
-    0, train_step does not run those answers: still the reference's gradient."""
+    0, train_step does not run those answers: still the reference's gradient. Each of
+    --loss-agg's three means, token_weights' weights against the reference's formula."""
     model = small_model()
     batch = batch_of([3, 150, 7, 90, 1, 40, 64, 11])
     with torch.no_grad():  # behaviour logprobs near the model's, some ratios above the cap
         for s in batch:
             s["logprobs"] = torch.randn(len(s["token_ids"]), generator=torch.Generator().manual_seed(5)) - 4.6
     adv = torch.tensor(ADVANTAGES[advantages])
-    cfg = dict(loss=loss, is_cap=2.0, clip_eps=0.2, temperature=0.7)
+    cfg = dict(loss=loss, is_cap=2.0, clip_eps=0.2, temperature=0.7, loss_agg=agg, max_new_tokens=160)
     ref_loss, ref = reference_grads(cfg, model, batch, adv)
     monkeypatch.setattr(train, "LOGIT_CHUNK_BYTES", 7 * 4 * 97)  # 7 positions per logit chunk
     for budget in (100_000, 160, 40):  # one micro-batch; 4; 6 (the longest answers alone)
         model.zero_grad(set_to_none=True)
-        got_loss, *_ = train.train_step(dict(cfg, micro_batch_tokens=budget), model, batch, adv, "cpu")
+        got_loss, *_ = train.train_step(dict(cfg, micro_batch_tokens=budget), model, batch, adv,
+                                        train.token_weights(cfg, batch), "cpu")
         n_mb = len(train.micro_batches(batch, budget))
         assert n_mb == 1 if budget == 100_000 else n_mb >= 4
         assert abs(got_loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -106,18 +116,19 @@ def test_a_step_with_all_advantages_zero_is_still_an_adamw_step():
     moments decay and the weights move by momentum. Without the zero-fill every .grad
     stays None and AdamW skips every parameter."""
     import copy
-    cfg = dict(loss="tis", is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=100_000)
+    cfg = dict(loss="tis", is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=100_000, loss_agg="token")
     ours = small_model()
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     batch = with_logprobs(batch_of([5, 9, 3, 7]))
-    train.train_step(cfg, ours, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), "cpu")  # a step with a gradient:
+    w = train.token_weights(cfg, batch)
+    train.train_step(cfg, ours, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), w, "cpu")  # a step with a gradient:
     train.optimizer_step(ours, opt, 0.0)  # momentum to move by
     ref = copy.deepcopy(ours)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a copy: loading shares the state's tensors
     zero = torch.zeros(4)
     opt.zero_grad(set_to_none=True)
-    loss, *_ = train.train_step(cfg, ours, batch, zero, "cpu")
+    loss, *_ = train.train_step(cfg, ours, batch, zero, w, "cpu")
     assert all(p.grad is None for p in ours.parameters())  # nothing ran
     train.optimizer_step(ours, opt, loss)
     ref_opt.zero_grad(set_to_none=True)
@@ -136,13 +147,13 @@ def test_a_non_finite_gradient_stops_before_the_weights_change():
     """--loss ppo weights a token by exp(log pi - log mu): a behaviour logprob of -inf
     (a token its sampler gave probability 0) makes the loss and gradient infinite. The
     step stops with the reason; the weights are untouched (before: NaN weights, pushed)."""
-    cfg = dict(loss="ppo", is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=100_000)
+    cfg = dict(loss="ppo", is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=100_000, loss_agg="token")
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = with_logprobs(batch_of([5, 9]))
     batch[1]["logprobs"][3] = -float("inf")
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    loss, *_ = train.train_step(cfg, model, batch, torch.tensor([1.0, -1.0]), "cpu")
+    loss, *_ = train.train_step(cfg, model, batch, torch.tensor([1.0, -1.0]), train.token_weights(cfg, batch), "cpu")
     with pytest.raises(train.TrainingDiverged, match="not finite"):
         train.optimizer_step(model, opt, loss)
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())

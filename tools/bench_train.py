@@ -98,14 +98,14 @@ def main(argv=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from preflight import memory_plan
-    from train import LOGIT_CHUNK_BYTES, micro_batches, train_step
+    from train import LOGIT_CHUNK_BYTES, micro_batches, token_weights, train_step
     if args.plan:
         return print_plans(args.micro_batch_tokens)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda:0" if device == "cuda" else device
     shape = SHAPES[args.shape]
     cfg = dict(micro_batch_tokens=args.micro_batch_tokens, temperature=1.0, loss="tis", is_cap=2.0,
-               train_device=device)
+               train_device=device, loss_agg="token")
     config = AutoConfig.for_model("qwen3", **shape["arch"])
     plan = memory_plan(cfg, config, LOGIT_CHUNK_BYTES)
     batch, adv = make_batch(shape, args.worst_case, config.vocab_size)
@@ -124,7 +124,7 @@ def main(argv=None):
     for _ in range(args.steps):
         t0 = time.time()
         opt.zero_grad(set_to_none=True)
-        loss, *_ = train_step(cfg, model, batch, adv.to(device), device)
+        loss, *_ = train_step(cfg, model, batch, adv.to(device), token_weights(cfg, batch).to(device), device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if device.startswith("cuda"):

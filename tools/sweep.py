@@ -86,9 +86,13 @@ def summary(run):
     tok, gen, trn = ledger["tokens"], ledger["seconds"]["generator"], ledger["seconds"]["trainer"]
     trained = sum(r["trained_tokens"] for r in steps)
     rejected = sum(r.get("rejected_tokens", 0) for r in steps)
+    cpu0 = next((r["cpu_s"] for r in steps if "cpu_s" in r), None)
     return dict(run=run, regime=cfg["regime"], pool=cfg["pool"], seed=cfg["seed"], cfg=cfg,
                 acc0=evals[0]["eval_acc"], acc1=evals[-1]["eval_acc"],
                 curve=[(r["wall_s"], r["eval_acc"]) for r in evals],
+                # CPU-seconds of both processes from the end of step 1 (start-up and the step-0 eval excluded)
+                cpu_curve=None if cpu0 is None else [(max(0.0, r.get("cpu_s", cpu0) - cpu0), r["eval_acc"])
+                                                     for r in evals],
                 steps_per_min=len(steps) / ((steps[-1]["wall_s"] - first) / 60),
                 stale=sum(r["stale_token_frac"] * r["trained_tokens"] for r in steps) / trained,  # token-weighted
                 lag=statistics.mean(r["lag_mean"] for r in steps),
@@ -100,9 +104,45 @@ def summary(run):
                 trainer_share={k: v / sum(trn.values()) for k, v in trn.items()})
 
 
+def smooth(curve, k=3):
+    """The eval curve with each accuracy the mean of the k evals centred on it (fewer
+    at the ends): one eval's noise (256-512 problems: +-2-3 points) does not decide."""
+    accs = [acc for _, acc in curve]
+    h = k // 2
+    return [(t, statistics.mean(accs[max(0, i - h):i + h + 1])) for i, (t, _) in enumerate(curve)]
+
+
 def time_to(curve, target):
-    """wall_s of the first eval at or above target, or None."""
-    return next((t for t, acc in curve if acc >= target), None)
+    """When the smoothed curve first reaches target, interpolated between the two evals
+    around the crossing; None if it never does."""
+    sm = smooth(curve)
+    if sm[0][1] >= target:
+        return sm[0][0]
+    for (t0, a0), (t1, a1) in zip(sm, sm[1:]):
+        if a1 >= target:
+            return t0 + (t1 - t0) * (target - a0) / (a1 - a0)
+    return None
+
+
+def acc_at(curve, t):
+    """The smoothed curve's accuracy at time t (linear between evals; None past its end)."""
+    import numpy as np
+    sm = smooth(curve)
+    return None if t > sm[-1][0] else float(np.interp(t, *zip(*sm)))
+
+
+def paired(rows, a, b, value):
+    """value(run of regime-pool a) - value(run of b), paired by seed: (mean, 95% bootstrap
+    interval over seeds, n). Seeds where either value is None are left out."""
+    import random
+    by = lambda key: {r["seed"]: value(r) for r in rows if (r["regime"], r["pool"]) == key}
+    va, vb = by(a), by(b)
+    d = [va[s] - vb[s] for s in sorted(va) if s in vb and va[s] is not None and vb[s] is not None]
+    if len(d) < 2:
+        return None
+    rng = random.Random(0)
+    means = sorted(statistics.mean(rng.choices(d, k=len(d))) for _ in range(10000))
+    return statistics.mean(d), (means[249], means[9749]), len(d)
 
 
 def mean_std(values, fmt):
@@ -170,7 +210,7 @@ def runs_table(rows, target):
 
 NOTES = """\
 - final eval pass@1: greedy, the run's last evaluation; gain: from its first (step 0)
-- s to target: wall_s of the first evaluation at or above the target (mean over the seeds that reached it)
+- s to target: when the run's eval curve, smoothed over 3 evaluations, first reaches the target (interpolated between evaluations; mean over the seeds that reached it)
 - steps/min: optimizer steps / minutes from the start of step 1 (after start-up and the step-0 eval) to the end of the last step, evaluations in between included
 - stale tokens: token-weighted share of trained tokens; lag, spanning answers: means of the steps' lag_mean, spanning_frac
 - generator idle+draining: share of the generator's time in ledger.json; discarded, recomputed: share of generated tokens (ledger.json)"""
@@ -215,6 +255,45 @@ def contrast_table(by_preset):
     lines += [list(row) for row in PUBLISHED]
     return markdown(["", "stale tokens % (stale)", "spanning answers % (stale)", "lag (stale)",
                      "answer length p50 / p90 / max, tokens (stale)", "steps/min (sync)"], lines)
+
+
+def analysis(rows, target):
+    """The seed's claims, each a comparison paired by seed with its 95% bootstrap
+    interval (10,000 resamples of the seeds): a difference exceeds the spread when the
+    interval excludes 0. Then, when --pool pace runs exist, PACE's two claims."""
+    keys = {(r["regime"], r["pool"]) for r in rows}
+    t_eq = min(r["curve"][-1][0] for r in rows)  # equal wall-clock: the earliest last eval of any run
+    claims = []
+    if target is not None:
+        claims += [(f"s to {target} (smoothed): {x} - drain", (x, "fifo"), ("drain", "fifo"),
+                    lambda r: time_to(r["curve"], target), "{:+.0f} s") for x in ("stale", "recompute")]
+    claims += [("final pass@1: stale - recompute", ("stale", "fifo"), ("recompute", "fifo"),
+                lambda r: r["acc1"], "{:+.3f}")]
+    claims += [(f"pass@1 at {t_eq:.0f} s: {x} - drain", (x, "fifo"), ("drain", "fifo"),
+                lambda r: acc_at(r["curve"], t_eq), "{:+.3f}") for x in ("stale", "recompute")]
+    claims += [("steps/min: stale - drain", ("stale", "fifo"), ("drain", "fifo"), lambda r: r["steps_per_min"],
+                "{:+.1f}")]
+    sync = [r for r in rows if (r["regime"], r["pool"]) == ("sync", "fifo")]
+    if sync and any(pool == "pace" for _, pool in keys):
+        goal = statistics.mean(r["acc1"] for r in sync)  # sync's final accuracy
+        to_goal = lambda r: None if r["cpu_curve"] is None else time_to(r["cpu_curve"], goal)
+        for regime in sorted({k[0] for k in keys if k[1] == "pace"}, key=REGIMES.index):
+            claims += [(f"pass@1 at {t_eq:.0f} s: {regime} pace - {regime} fifo", (regime, "pace"), (regime, "fifo"),
+                        lambda r: acc_at(r["curve"], t_eq), "{:+.3f}"),
+                       (f"pass@1 at {t_eq:.0f} s: {regime} pace - sync", (regime, "pace"), ("sync", "fifo"),
+                        lambda r: acc_at(r["curve"], t_eq), "{:+.3f}"),
+                       (f"CPU-s to sync's final {goal:.3f}: {regime} pace - sync", (regime, "pace"), ("sync", "fifo"),
+                        to_goal, "{:+.0f}"),
+                       (f"CPU-s to sync's final {goal:.3f}: {regime} fifo - sync", (regime, "fifo"), ("sync", "fifo"),
+                        to_goal, "{:+.0f}")]
+    lines = []
+    for name, a, b, value, fmt in claims:
+        if a in keys and b in keys and (p := paired(rows, a, b, value)):
+            m, (lo, hi), n = p
+            lines.append([name, fmt.format(m), f"[{fmt.format(lo)}, {fmt.format(hi)}]", str(n),
+                          "yes" if lo > 0 or hi < 0 else "no"])
+    return markdown(["comparison, paired by seed", "mean difference", "95% interval", "seeds", "exceeds the spread"],
+                    lines) if lines else ""
 
 
 # -----------------------------------------------------------------------------
@@ -375,7 +454,7 @@ def main():
     if rows:
         target = targets[args.preset]
         text = (f"# {setting(args.preset, rows)}, target {target if target is not None else '-'}\n\n"
-                f"{table(rows, target)}\n\n{NOTES}\n")
+                f"{table(rows, target)}\n\n{NOTES}\n\n{analysis(rows, target)}\n")
         print(text)
         with open(os.path.join(folder, "table.md"), "w") as f:
             f.write(text)

@@ -130,12 +130,11 @@ class Rollout:
             if self.tokens:  # counted when the prefill runs: an answer re-submitted twice before it ran, once
                 rebuilt = len(self.prompt_ids) + len(self.tokens)
                 self.recomputed += rebuilt
-        stale = self.kv_version < version
-        for tok, lp in zip(token_ids, logprobs):
-            self.tokens.append(tok)
-            self.logprobs.append(lp)
-            self.versions.append(version)
-            self.stale.append(stale)
+        stale, n = self.kv_version < version, len(token_ids)
+        self.tokens += token_ids
+        self.logprobs += logprobs
+        self.versions += [version] * n
+        self.stale += [stale] * n
         seg = self.segments[-1] if self.segments else None
         if seg and self.last_step == step - 1 and seg[2] == version and seg[4] == stale:
             seg[1], seg[3] = t1, seg[3] + len(token_ids)  # the run goes on: a few compares per token
@@ -202,8 +201,9 @@ def make_engine(cfg):
         enable_prefix_caching=False,
         # unchunked prefill: a prompt's KV is written in one step, by one version. The
         # budget is tokens prefilled per step: a recompute burst re-prefills every
-        # answer in flight (hundreds on GPU, where a large prefill step is cheap)
-        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 16384 if on_gpu else 2048),
+        # answer in flight (hundreds on GPU, where a large prefill step is cheap); on
+        # CPU, what vLLM's LLM class takes there (4096; an LLMEngine's default is 2048)
+        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 16384 if on_gpu else 4096),
         # logprob of the sampled token under the distribution actually sampled
         # from (after temperature), which is the behaviour policy the trainer needs
         logprobs_mode="processed_logprobs",
@@ -361,22 +361,26 @@ class Generator:
         t0 = time.time()
         outputs = self.engine.step()
         t1, self.steps = time.time(), self.steps + 1
+        inflight, version, step = self.inflight, self.version, self.steps  # locals: this loop runs per answer per step
+        tokens = rebuilt = 0
         for out in outputs:
             if out.request_id in self.eval_out:  # FINAL_ONLY: one output, when it is done
                 self.eval_out[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
                 continue
-            r = self.inflight.get(out.request_id)
+            r = inflight.get(out.request_id)
             if r is None:  # output of a request aborted this step
                 continue
             c = out.outputs[0]
-            lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
-            self.stats["recomputed_tokens"] += r.record(c.token_ids, lps, self.version, self.steps, t0, t1)
-            self.stats["gen_tokens"] += len(c.token_ids)
+            ids = c.token_ids
+            rebuilt += r.record(ids, [d[t].logprob for t, d in zip(ids, c.logprobs)], version, step, t0, t1)
+            tokens += len(ids)
             if out.finished:
-                del self.inflight[out.request_id]
+                del inflight[out.request_id]
                 sample = r.to_sample(c.finish_reason)
                 sample["answer"], sample["engine"] = self.answers[r.prompt_id], self.engine_id
                 self.outbox.append(("sample", sample))
+        self.stats["gen_tokens"] += tokens
+        self.stats["recomputed_tokens"] += rebuilt
         self.stats["gen_busy_s"] += time.time() - t0
 
     def evaluate(self, prompts, max_tokens):

@@ -8,7 +8,10 @@ takes the oldest groups not yet taken, and waits for one whose answers are still
 being written rather than let later groups overtake it. That is what makes
 --max-lag a bound: the generator admits group g only once g < (versions loaded +
 max_lag + 1) x prompts_per_step (generator.Generator.may_admit), and taken in order,
-g is trained at most max_lag versions after the weights that started it. (AReaL
+g is trained at most max_lag versions after the weights that started it. Groups the
+pool rejected do not count in g: each leaves its place to a new one, so a generator
+faster than the trainer keeps the pool above PACE's target, and PACE keeps rejecting
+(counted as admitted, as before, the pool could exceed the target only once). (AReaL
 and SkyRL bound admission the same way but consume in completion order, so a long
 answer overtaken by later ones can exceed the bound, which they count; TRL and
 prime-rl drop what exceeds it at consumption. Waiting costs trainer time instead.)

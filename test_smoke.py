@@ -110,8 +110,11 @@ def start_train(run):
     """train.py in its own process group, as a terminal would run it; its stderr goes
     to run + '.stderr' (read by stderr_tail)."""
     with open(run + ".stderr", "w") as err:  # the child keeps its own copy of the descriptor
+        # SIGINT as a terminal leaves it: a job a script started in the background (`cmd &`)
+        # inherits SIGINT ignored, and so would train.py, and Ctrl-C could not be tested
         proc = subprocess.Popen([sys.executable, "train.py", "--out", run, "--steps", "1000", *SMALL, "--no-plot"],
-                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.stderr_path = run + ".stderr"
     return proc
 

@@ -20,6 +20,7 @@ import time
 import psutil
 import pytest
 import torch
+from test_reliability import wait_for  # read train.py's stdout up to a line
 
 HERE = os.path.abspath(__file__)
 SMALL = ["--eval-every", "2", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "6",
@@ -189,15 +190,6 @@ def start(*args):
                             start_new_session=True)
 
 
-def wait_for(proc, prefix, timeout=600):
-    t0 = time.time()
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return
-        assert time.time() - t0 < timeout
-    raise AssertionError(f"train.py ended before {prefix!r}: " + proc.stderr.read()[-3000:])
-
-
 def gone(procs, timeout):
     """None of `procs` (psutil) is left within `timeout` s. torchrun starts each rank in
     a session of its own: the job's processes are torchrun's descendants, taken before."""
@@ -221,7 +213,7 @@ def test_resume_two_ranks_after_kill_9(tmp_path):
     run_dir = str(tmp_path / "recompute")
     proc = start("--regime", "recompute", "--out", run_dir, "--steps", "1000", "--save-every", "2", *SMALL,
                  "--eval-every", "0")
-    wait_for(proc, "step 3 ")
+    wait_for(proc, "step 3 ", timeout=600)
     procs = job(proc)
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun: its ranks, in sessions of their own, notice and exit
     proc.wait(timeout=30)
@@ -242,7 +234,7 @@ def test_a_dead_engine_or_rank_ends_the_job(victim, tmp_path):
     """kill -9 of generator engine 1, or of trainer rank 1: the whole job ends, non-zero,
     with a message naming it, within the stall bound (here 60 s), no process left."""
     proc = start("--out", str(tmp_path / "run"), "--steps", "1000", *SMALL, "--eval-every", "0", "--stall-s", "60")
-    wait_for(proc, "step 1 ")
+    wait_for(proc, "step 1 ", timeout=600)
     procs = job(proc)
     if victim == "engine":
         target = [p for p in procs if "inflight-generator1" in " ".join(p.cmdline())]

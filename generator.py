@@ -264,7 +264,7 @@ class Generator:
         self.inflight = {}  # request id -> Rollout
         # engine i of N writes the groups g = i mod N, from the data position on (pace.Pool.position)
         self.engine_id, engines = cfg.get("engine", 0), cfg.get("engines", 1)
-        self.proc = "generator" if engines == 1 else f"generator{self.engine_id}"  # its lane on the timeline
+        self.proc = lane(cfg)  # its lane on the timeline
         self.start_group = cfg["start_group"]
         self.next_group = self.start_group + (self.engine_id - self.start_group) % engines
         self.skip = set(cfg.get("skip_groups", ()))  # groups after it already consumed or rejected (resume)
@@ -425,10 +425,15 @@ def keep_to_gen_cores():
             os.sched_setaffinity(int(tid), [int(c) for c in cores.split(",")])
 
 
+def lane(cfg):
+    """The engine's name in events, answers.jsonl and its files: "generator", or
+    "generator<i>" when there are several."""
+    return "generator" if cfg.get("engines", 1) == 1 else f"generator{cfg.get('engine', 0)}"
+
+
 def stack_file(cfg):
     """Where the generator writes its Python stack when the trainer sends SIGUSR1."""
-    name = "generator" if cfg.get("engines", 1) == 1 else f"generator{cfg['engine']}"
-    return os.path.join(cfg["out"], f"{name}-stack.txt")
+    return os.path.join(cfg["out"], f"{lane(cfg)}-stack.txt")
 
 
 def generator_main(cfg, samples_q, control_q):

@@ -25,6 +25,7 @@ from data import UsageError, hub_reachable, load_problems, make_prompt, steps_ra
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PRESET_MODELS = {  # --model names that are not Hub ids: directories in this repository
     "tiny": os.path.join(ROOT, "weights", "tiny"),  # shipped; tools/tiny.py --rebuild makes your own
+    "tiny-long": os.path.join(ROOT, "weights", "tiny-long"),  # the long preset's (tools/tiny.py tiny-long)
     "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/smol.py (not shipped: 540 MB)
 }
 

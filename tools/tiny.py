@@ -7,14 +7,22 @@ checkpoint.
 
     python tools/tiny.py            # the model's directory: weights/tiny, shipped with the repository
     python tools/tiny.py --rebuild  # build it yourself from the recipe (~1.5 min), print its directory
+    python tools/tiny.py tiny-long  # the long preset's warm start (weights/tiny-long; ~7 min to rebuild)
 
 The repository ships the warm-started weights (weights/tiny, 3 MB): the same recipe
 gives a different model on a different processor, and every newcomer should start
 from the README's numbers: `--model tiny` is weights/tiny (preflight.PRESET_MODELS).
-A build is cached under out/tiny-<hash>/, where the hash covers the recipe below and
+A build is cached under out/<name>-<hash>/, where the hash covers the recipe below and
 the code that makes the data and the model (train.py --model out/tiny-<hash> uses
 it); a test fails while the shipped weights' hash is not the current one, so
-changing either means shipping a new build (copy it to weights/tiny).
+changing either means shipping a new build (copy it to weights/<name>).
+
+tiny-long, the long preset's warm start, is the same model taught 1-12 operations
+and stopped half-way through learning to chain them: its supervised loss falls from
+~0.25 to ~0.05 between steps ~350 and ~500 of a 900-step schedule, and at step 450
+it chains 3 operations 71% of the time and 6 only 17% (RESULTS.md). RL then has a
+half-learned skill to sharpen on every length; from a model that has finished the
+jump, or has not started it, it barely moves the long-tailed mix.
 """
 
 import hashlib
@@ -34,6 +42,10 @@ RECIPE = dict(
     hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384, max_pos=512,
     sft_steps=300, batch=32, lr=3e-3, warmup=30, min_steps=1, max_steps=8, seed=0,
 )
+RECIPES = {  # --model NAME: the supervised phase of each, stop_at steps into its sft_steps-step lr schedule
+    "tiny": RECIPE,
+    "tiny-long": dict(RECIPE, max_steps=12, sft_steps=900, stop_at=450),
+}
 EOS = "<|endoftext|>"
 
 
@@ -85,7 +97,7 @@ def sft(model, tokenizer, r):
     rng = random.Random(r["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], weight_decay=0.01)
     model.train()
-    for step in (bar := tqdm(range(r["sft_steps"]), desc="tiny warm-start", unit="step")):
+    for step in (bar := tqdm(range(r.get("stop_at", r["sft_steps"])), desc="tiny warm-start", unit="step")):
         ids, labels = [], []
         for _ in range(r["batch"]):
             p = synth_problem(rng, rng.randint(r["min_steps"], r["max_steps"]))
@@ -109,47 +121,48 @@ def sft(model, tokenizer, r):
     model.eval()
 
 
-def recipe_hash():
+def recipe_hash(name="tiny"):
     import data
     code = inspect.getsource(data.synth_problem) + inspect.getsource(data.make_prompt)
     code += inspect.getsource(build_tokenizer) + inspect.getsource(build_model) + inspect.getsource(sft)
-    return hashlib.sha256((json.dumps(RECIPE, sort_keys=True) + code).encode()).hexdigest()[:10]
+    return hashlib.sha256((json.dumps(RECIPES[name], sort_keys=True) + code).encode()).hexdigest()[:10]
 
 
-def shipped():
-    """weights/tiny: the warm-started model this repository ships, so that every
+def shipped(name="tiny"):
+    """weights/<name>: the warm-started model this repository ships, so that every
     newcomer starts from the same weights. Rebuilding it from the recipe gives a
     different model on a different processor (floating point: 57-69% greedy pass@1
     on two x86-64 CPUs of the same kind, README). None if it is not this recipe's."""
-    path = os.path.join(ROOT, "weights", "tiny")
+    path = os.path.join(ROOT, "weights", name)
     try:
         with open(os.path.join(path, "recipe.json")) as f:
-            return path if json.load(f).get("recipe_hash") == recipe_hash() else None
+            return path if json.load(f).get("recipe_hash") == recipe_hash(name) else None
     except FileNotFoundError:
         return None
 
 
-def tiny_model_dir(root="out", rebuild=False):
-    """Directory of the warm-started tiny model: the shipped weights when they are this
-    recipe's, else the cached build under root, building it on first use."""
-    if not rebuild and (path := shipped()):
+def tiny_model_dir(root="out", rebuild=False, name="tiny"):
+    """Directory of the warm-started model `name` (RECIPES): the shipped weights when
+    they are this recipe's, else the cached build under root, building it on first use."""
+    if not rebuild and (path := shipped(name)):
         return path
-    path = os.path.join(root, f"tiny-{recipe_hash()}")
+    path = os.path.join(root, f"{name}-{recipe_hash(name)}")
     if os.path.exists(os.path.join(path, "recipe.json")):
         return path
     import torch
     torch.set_num_threads(len(os.sched_getaffinity(0)))  # more threads than cores crawls
     t0 = time.time()
+    r = RECIPES[name]
     tokenizer = build_tokenizer()
-    model = build_model(len(tokenizer), RECIPE)
+    model = build_model(len(tokenizer), r)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"building the tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)} -> {path}")
-    sft(model, tokenizer, RECIPE)
+    print(f"building the {name} model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)} -> {path}")
+    sft(model, tokenizer, r)
     tmp = f"{path}.tmp{os.getpid()}"  # write then rename: a crash never leaves a half-written cache
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    publish(tmp, path, dict(RECIPE, params=n_params, build_s=round(time.time() - t0, 1), recipe_hash=recipe_hash()))
-    print(f"tiny model ready in {time.time() - t0:.0f}s")
+    publish(tmp, path, dict(r, params=n_params, build_s=round(time.time() - t0, 1), recipe_hash=recipe_hash(name)))
+    print(f"{name} model ready in {time.time() - t0:.0f}s")
     return path
 
 
@@ -163,4 +176,7 @@ def publish(tmp, path, recipe):
 
 
 if __name__ == "__main__":
-    print(tiny_model_dir(rebuild="--rebuild" in sys.argv))
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or ["tiny"]
+    if len(names) > 1 or names[0] not in RECIPES:
+        sys.exit(f"usage: python tools/tiny.py [--rebuild] [{'|'.join(RECIPES)}]")
+    print(tiny_model_dir(rebuild="--rebuild" in sys.argv, name=names[0]))

@@ -66,9 +66,10 @@ DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
 }
 PRESETS = {  # named settings on top of a dataset's defaults; flags given on the command line win
     # MATH's analog: long-tailed answers (p50 32 tokens, p90 86, max ~120), the generator two versions
-    # ahead, short micro-batches (less padding); 512 eval problems, as the gains are smaller (README)
+    # ahead, short micro-batches (less padding); a warm start half-way through learning to chain
+    # operations (tools/tiny.py), so RL has something to sharpen at every length; 512 eval problems (README)
     "long": dict(dataset="synth", synth_steps="1-12", max_new_tokens=160, max_lag=2, micro_batch_tokens=2048,
-                 eval_n=512),
+                 model="tiny-long", steps=100, lr=6e-5, eval_every=20, eval_n=512),
 }
 
 

@@ -39,6 +39,12 @@ def test_sweep_writes_tables_and_figures(tmp_path):
     r = subprocess.run([sys.executable, "tools/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
                         "--out", out], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "2 of 2 runs finished already, 0 to run" in r.stdout, r.stdout + r.stderr
+    # PACE's claims are against sync: a pace sweep without sync in --regimes still tables the sync runs on disk
+    r = subprocess.run([sys.executable, "tools/sweep.py", "default", "--regimes", "stale", "--pools", "fifo", "pace",
+                        "--seeds", "0", "--out", out, "--table-only"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    table = open(os.path.join(folder, "table.md")).read()
+    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| s")] == ["sync", "stale"]
 
 
 def test_time_to_and_paired_by_hand():
@@ -55,3 +61,15 @@ def test_time_to_and_paired_by_hand():
     mean, (lo, hi), n = paired(rows, ("stale", "fifo"), ("drain", "fifo"), lambda r: r["v"])
     assert (mean, n) == (8 / 3, 3)  # seeds 0-2: 2, 3, 3; seed 3 has no stale run
     assert lo == 2.0 and hi == 3.0  # every resample's mean lies in [2, 3] and both ends are drawn
+
+
+def test_analysis_says_the_difference_as_a_share():
+    """Each comparison also as a share of the second regime's mean over the paired seeds,
+    worked by hand: steps/min 30, 33, 36 against 20, 22, 24 is +11 = +50% of 22."""
+    from tools.sweep import analysis
+    curve = [(0, 0.5), (100, 0.6)]
+    rows = [dict(regime=reg, pool="fifo", seed=s, steps_per_min=v, acc1=0.6, curve=curve, cpu_curve=None)
+            for reg, vals in (("stale", [30.0, 33.0, 36.0]), ("drain", [20.0, 22.0, 24.0])) for s, v in enumerate(vals)]
+    row, = [line for line in analysis(rows, None).splitlines() if line.startswith("| steps/min")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "+11.0" and cells[3].startswith("+50.0% [") and cells[4:] == ["3", "yes"], row

@@ -132,13 +132,18 @@ def acc_at(curve, t):
     return None if t > sm[-1][0] else float(np.interp(t, *zip(*sm)))
 
 
+def pairs(rows, a, b, value):
+    """(value(run of regime-pool a), value(run of b)) for each seed that has both, None left out."""
+    by = lambda key: {r["seed"]: value(r) for r in rows if (r["regime"], r["pool"]) == key}
+    va, vb = by(a), by(b)
+    return [(va[s], vb[s]) for s in sorted(va) if s in vb and va[s] is not None and vb[s] is not None]
+
+
 def paired(rows, a, b, value):
     """value(run of regime-pool a) - value(run of b), paired by seed: (mean, 95% bootstrap
     interval over seeds, n). Seeds where either value is None are left out."""
     import random
-    by = lambda key: {r["seed"]: value(r) for r in rows if (r["regime"], r["pool"]) == key}
-    va, vb = by(a), by(b)
-    d = [va[s] - vb[s] for s in sorted(va) if s in vb and va[s] is not None and vb[s] is not None]
+    d = [x - y for x, y in pairs(rows, a, b, value)]
     if len(d) < 2:
         return None
     rng = random.Random(0)
@@ -292,9 +297,7 @@ def analysis(rows, target):
         if a in keys and b in keys and (p := paired(rows, a, b, value)):
             m, (lo, hi), n = p
             # the same as a share of b's mean over the paired seeds: can these seeds see a 10% difference?
-            va = {r["seed"] for r in rows if (r["regime"], r["pool"]) == a and value(r) is not None}
-            vb = [value(r) for r in rows if (r["regime"], r["pool"]) == b and r["seed"] in va and value(r) is not None]
-            base = statistics.mean(vb)
+            base = statistics.mean(y for _, y in pairs(rows, a, b, value))
             share = "-" if not base else f"{100 * m / base:+.1f}% [{100 * lo / base:+.1f}, {100 * hi / base:+.1f}]"
             lines.append([name, fmt.format(m), f"[{fmt.format(lo)}, {fmt.format(hi)}]", share, str(n),
                           "yes" if lo > 0 or hi < 0 else "no"])

@@ -5,6 +5,7 @@ step, in a subprocess; then its tables and figures. Two train.py runs, ~5 min on
     .venv/bin/python -m pytest -q tests/test_sweep.py
 """
 
+import json
 import os
 import re
 import subprocess
@@ -73,3 +74,34 @@ def test_analysis_says_the_difference_as_a_share():
     row, = [line for line in analysis(rows, None).splitlines() if line.startswith("| steps/min")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "+11.0" and cells[3].startswith("+50.0% [") and cells[4:] == ["3", "yes"], row
+
+
+def test_pace_columns_and_claims_by_hand(tmp_path):
+    """A pace sweep's tables say what PACE threw away and where it stands on its two claims,
+    run by run: groups rejected per group trained, the trained answers' mean length
+    (answers.jsonl), and CPU-seconds to the target on the smoothed CPU-time curve, worked by hand."""
+    from tools.sweep import analysis, runs_table
+
+    def run(regime, pool, seed, cpu_curve, groups_rejected):
+        folder = tmp_path / f"{regime}-{pool}-s{seed}"
+        folder.mkdir()
+        with open(folder / "answers.jsonl", "w") as f:  # trained 40 and 60 tokens; the rejected one does not count
+            f.writelines(json.dumps(dict(tokens=n, fate=fate)) + "\n" for n, fate in
+                         ((40, "consumed"), (60, "consumed"), (10, "rejected")))
+        return dict(run=str(folder), regime=regime, pool=pool, seed=seed, acc0=0.5, acc1=0.7,
+                    curve=[(0, 0.5), (100, 0.6), (200, 0.7)], cpu_curve=cpu_curve, steps_per_min=10.0, stale=0.0,
+                    lag=0.0, spanning=0.0, gen_idle=0.0, discarded=0.0, recomputed=0.0, rejected=0.5,
+                    groups_rejected=groups_rejected, groups_trained=1600)
+
+    # smoothed, both CPU curves read 0.55, 0.6, 0.65: 0.6 is first reached at their second point
+    rows = [run("sync", "fifo", s, [(0, 0.5), (50, 0.6), (100, 0.7)], 0) for s in (0, 1)]
+    rows += [run("stale", "pace", s, [(0, 0.5), (200, 0.6), (400, 0.7)], 2400) for s in (0, 1)]
+    header, _, *lines = runs_table(rows, 0.6).splitlines()
+    names = [c.strip() for c in header.strip("|").split("|")]
+    pace = dict(zip(names, [c.strip() for c in lines[-1].strip("|").split("|")]))
+    assert pace["groups rejected per group trained"] == "1.50" and pace["answer tokens trained (mean)"] == "50.0"
+    assert pace["CPU-s to 0.6"] == "200" and pace["pass@1 at 200 s (smoothed)"] == "0.650", pace
+    assert pace["CPU-s to sync's final 0.700"] == "-", pace  # the smoothed curves end at 0.65
+    row, = [line for line in analysis(rows, 0.6).splitlines() if line.startswith("| CPU-s to 0.6: stale pace - sync")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:3] == ["+150", "[+150, +150]"] and cells[4:] == ["2", "yes"], row

@@ -33,6 +33,7 @@ evaluates existed.
 """
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -140,9 +141,23 @@ def cpu_to(r, acc):
     return None if acc is None or r["cpu_curve"] is None else time_to(r["cpu_curve"], acc)
 
 
-def mean_answer_tokens(r):
-    lengths, _ = answer_lengths([r])
+@functools.lru_cache(maxsize=None)
+def mean_answer_tokens(run):
+    """Mean tokens of the answers a run's steps trained; answers.jsonl read once per run,
+    though table() and runs_table() both ask."""
+    lengths, _ = answer_lengths([dict(run=run)])
     return statistics.mean(lengths) if lengths else None
+
+
+def equal_wall_clock(rows):
+    """The wall-clock every run reached: the earliest last eval of any run."""
+    return min(r["curve"][-1][0] for r in rows)
+
+
+def sync_final(rows):
+    """sync's final accuracy, the mean over its runs (PACE's second claim); None without sync runs."""
+    sync = [r["acc1"] for r in rows if (r["regime"], r["pool"]) == ("sync", "fifo")]
+    return statistics.mean(sync) if sync else None
 
 
 def pairs(rows, a, b, value):
@@ -185,12 +200,10 @@ def columns(rows, target):
             ("discarded / generated %", lambda r: 100 * r["discarded"], "{:.1f}"),
             ("recomputed / generated %", lambda r: 100 * r["recomputed"], "{:.1f}")]
     if any(r["pool"] == "pace" for r in rows):  # what PACE threw away, and its two claims, run by run
-        t_eq = min(r["curve"][-1][0] for r in rows)  # equal wall-clock, as in analysis()
-        sync = [r["acc1"] for r in rows if (r["regime"], r["pool"]) == ("sync", "fifo")]
-        goal = statistics.mean(sync) if sync else None
+        t_eq, goal = equal_wall_clock(rows), sync_final(rows)
         cols += [("rejected tokens %", lambda r: 100 * r["rejected"], "{:.1f}"),
                  ("groups rejected per group trained", lambda r: r["groups_rejected"] / r["groups_trained"], "{:.2f}"),
-                 ("answer tokens trained (mean)", mean_answer_tokens, "{:.1f}"),
+                 ("answer tokens trained (mean)", lambda r: mean_answer_tokens(r["run"]), "{:.1f}"),
                  (f"pass@1 at {t_eq:.0f} s (smoothed)", lambda r: acc_at(r["curve"], t_eq), "{:.3f}")]
         if target is not None:
             cols.append((f"CPU-s to {target}", lambda r: cpu_to(r, target), "{:.0f}"))
@@ -295,7 +308,7 @@ def analysis(rows, target):
     interval (10,000 resamples of the seeds): a difference exceeds the spread when the
     interval excludes 0. Then, when --pool pace runs exist, PACE's two claims."""
     keys = {(r["regime"], r["pool"]) for r in rows}
-    t_eq = min(r["curve"][-1][0] for r in rows)  # equal wall-clock: the earliest last eval of any run
+    t_eq = equal_wall_clock(rows)
     claims = []
     if target is not None:
         claims += [(f"s to {target} (smoothed): {x} - drain", (x, "fifo"), ("drain", "fifo"),
@@ -306,9 +319,8 @@ def analysis(rows, target):
                 lambda r: acc_at(r["curve"], t_eq), "{:+.3f}") for x in ("stale", "recompute")]
     claims += [("steps/min: stale - drain", ("stale", "fifo"), ("drain", "fifo"), lambda r: r["steps_per_min"],
                 "{:+.1f}")]
-    sync = [r for r in rows if (r["regime"], r["pool"]) == ("sync", "fifo")]
-    if sync and any(pool == "pace" for _, pool in keys):
-        goal = statistics.mean(r["acc1"] for r in sync)  # sync's final accuracy
+    goal = sync_final(rows)
+    if goal is not None and any(pool == "pace" for _, pool in keys):
         for regime in sorted({k[0] for k in keys if k[1] == "pace"}, key=REGIMES.index):
             claims += [(f"pass@1 at {t_eq:.0f} s: {regime} pace - {regime} fifo", (regime, "pace"), (regime, "fifo"),
                         lambda r: acc_at(r["curve"], t_eq), "{:+.3f}"),

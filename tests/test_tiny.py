@@ -12,7 +12,7 @@ import pytest
 from preflight import model_path
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-long"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-long", "tiny-long-400"])
 def test_shipped_tiny_model_is_the_recipes(name):
     """weights/<name> is what tiny.py's recipe built (its hash), with the tokenizer the
     recipe builds now: change the recipe or the synth code and this fails until the
@@ -26,7 +26,7 @@ def test_shipped_tiny_model_is_the_recipes(name):
     assert AutoTokenizer.from_pretrained(tiny.shipped(name)).get_vocab() == tiny.build_tokenizer().get_vocab()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-long"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-long", "tiny-long-400"])
 def test_tiny_recipe_builds(name, tmp_path, monkeypatch):
     """The rebuild path (python tools/tiny.py --rebuild NAME), shortened to 3 warm-start steps
     (tiny-long's stop_at, 2 of them): a complete cache directory that transformers loads."""

@@ -471,7 +471,8 @@ def main():
     p.add_argument("--pools", nargs="+", default=["fifo"], choices=["fifo", "pace"])
     # long: 5 seeds, as its regimes differ by less than 3 seeds' spread (README)
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0-2, and 0-4 for long")
-    p.add_argument("--contrast-seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of the default runs `long` adds")
+    p.add_argument("--contrast-seeds", nargs="*", type=int, default=[0, 1, 2],
+                   help="seeds of the default runs `long` adds (given with none: no default runs)")
     p.add_argument("--target", type=float, default=None, help="target eval accuracy (default: TARGETS[preset])")
     p.add_argument("--out", default="out/sweep", help="parent directory of the presets' run directories")
     p.add_argument("--table-only", action="store_true", help="run nothing, write the tables of finished runs")

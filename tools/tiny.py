@@ -8,6 +8,7 @@ checkpoint.
     python tools/tiny.py            # the model's directory: weights/tiny, shipped with the repository
     python tools/tiny.py --rebuild  # build it yourself from the recipe (~1.5 min), print its directory
     python tools/tiny.py tiny-long  # the long preset's warm start (weights/tiny-long; ~7 min to rebuild)
+    python tools/tiny.py tiny-long-400  # its candidate successor, stopped earlier (weights/tiny-long-400; ~6 min)
 
 The repository ships the warm-started weights (weights/tiny, 3 MB): the same recipe
 gives a different model on a different processor, and every newcomer should start
@@ -45,6 +46,7 @@ RECIPE = dict(
 RECIPES = {  # --model NAME: the supervised phase of each, stop_at steps into its sft_steps-step lr schedule
     "tiny": RECIPE,
     "tiny-long": dict(RECIPE, max_steps=12, sft_steps=900, stop_at=450),
+    "tiny-long-400": dict(RECIPE, max_steps=12, sft_steps=900, stop_at=400),  # the candidate (RESULTS.md, fourth round)
 }
 EOS = "<|endoftext|>"
 

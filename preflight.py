@@ -26,7 +26,6 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 PRESET_MODELS = {  # --model names that are not Hub ids: directories in this repository
     "tiny": os.path.join(ROOT, "weights", "tiny"),  # shipped; tools/tiny.py --rebuild makes your own
     "tiny-long": os.path.join(ROOT, "weights", "tiny-long"),  # the long preset's (tools/tiny.py tiny-long)
-    "tiny-long-400": os.path.join(ROOT, "weights", "tiny-long-400"),  # its candidate successor (RESULTS.md)
     "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/smol.py (not shipped: 540 MB)
 }
 

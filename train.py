@@ -67,9 +67,10 @@ DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
 PRESETS = {  # named settings on top of a dataset's defaults; flags given on the command line win
     # MATH's analog: long-tailed answers (p50 32 tokens, p90 86, max ~120), the generator two versions
     # ahead, short micro-batches (less padding); a warm start half-way through learning to chain
-    # operations (tools/tiny.py), so RL has something to sharpen at every length; 512 eval problems (README)
+    # operations (tools/tiny.py), so RL has something to sharpen; 60 steps: every regime has
+    # reached its plateau by step ~40 (RESULTS.md); 512 eval problems (README)
     "long": dict(dataset="synth", synth_steps="1-12", max_new_tokens=160, max_lag=2, micro_batch_tokens=2048,
-                 model="tiny-long", steps=100, lr=6e-5, eval_every=20, eval_n=512),
+                 model="tiny-long", steps=60, lr=6e-5, eval_every=20, eval_n=512),
 }
 
 

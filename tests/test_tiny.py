@@ -12,7 +12,7 @@ import pytest
 from preflight import model_path
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-long", "tiny-long-400"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-long"])
 def test_shipped_tiny_model_is_the_recipes(name):
     """weights/<name> is what tiny.py's recipe built (its hash), with the tokenizer the
     recipe builds now: change the recipe or the synth code and this fails until the
@@ -26,7 +26,7 @@ def test_shipped_tiny_model_is_the_recipes(name):
     assert AutoTokenizer.from_pretrained(tiny.shipped(name)).get_vocab() == tiny.build_tokenizer().get_vocab()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-long", "tiny-long-400"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-long"])
 def test_tiny_recipe_builds(name, tmp_path, monkeypatch):
     """The rebuild path (python tools/tiny.py --rebuild NAME), shortened to 3 warm-start steps
     (tiny-long's stop_at, 2 of them): a complete cache directory that transformers loads."""
@@ -45,6 +45,6 @@ def test_long_preset_starts_from_tiny_long():
     from tools import tiny
     from train import parse_config
     cfg = parse_config(["--preset", "long", "--out", "out/test-preset"])
-    assert (cfg["model"], cfg["synth_steps"], cfg["steps"]) == ("tiny-long", "1-12", 100)
+    assert (cfg["model"], cfg["synth_steps"], cfg["steps"]) == ("tiny-long", "1-12", 60)
     assert model_path(cfg["model"]) == tiny.shipped("tiny-long")
     assert parse_config(["--preset", "long", "--model", "tiny", "--out", "out/test-preset"])["model"] == "tiny"

@@ -4,8 +4,9 @@ figures in RESULTS.md: eval accuracy against wall-clock, time to a target accura
 steps per minute, stale tokens, lag, and where each process's time went.
 
     python tools/sweep.py default             # 5 regimes x 3 seeds of plain train.py (~4.5-6.5 min a run, ~75 min on 2 cores)
-    python tools/sweep.py long                # 5 x 5 of `train.py --preset long` (~5.5 min a run, ~2 h 15),
+    python tools/sweep.py long                # 5 x 5 of `train.py --preset long` (~3 min a run, 72 min),
                                         # then 5 x 3 of default for the contrast (~75 min)
+    python tools/sweep.py long --contrast-seeds   # the long preset's runs only
     python tools/sweep.py long --regimes stale recompute --pools fifo pace   # PACE vs fifo, and vs the sync runs on disk
     python tools/sweep.py long --table-only   # run nothing, write the tables and figures of what finished
     python tools/sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
@@ -56,7 +57,7 @@ REGIMES = ["sync", "drain", "discard", "stale", "recompute"]
 COLOURS = {"sync": "black", "drain": "tab:orange", "discard": "tab:red", "stale": "tab:blue", "recompute": "tab:green"}
 GENERATOR = ["generating", "draining", "loading", "evaluating", "idle"]  # the ledger's activities, stacked in this order
 TRAINER = ["training", "waiting", "syncing", "evaluating", "saving"]
-EST_S = {"default": 300, "long": 330}  # seconds a run takes on 2 cores, until a run of this sweep has finished
+EST_S = {"default": 300, "long": 175}  # seconds a run takes on 2 cores, until a run of this sweep has finished
 PUBLISHED = [  # the published study's numbers, as reference rows of the contrast table
     ("published study: GSM8K", "<1", "-", "-", "-", "-"),
     ("published study: MATH", "38", "-", "-", "-", "-"),

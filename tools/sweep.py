@@ -4,10 +4,12 @@ figures in RESULTS.md: eval accuracy against wall-clock, time to a target accura
 steps per minute, stale tokens, lag, and where each process's time went.
 
     python tools/sweep.py default             # 5 regimes x 3 seeds of plain train.py (~4.5-6.5 min a run, ~75 min on 2 cores)
-    python tools/sweep.py long                # 5 x 5 of `train.py --preset long` (~3 min a run, 72 min),
+    python tools/sweep.py long                # 5 x 5 of `train.py --preset long` (~3 min a run, 72 min;
+                                        # ~1.6 min, 40 min, on a twice as fast 2-core machine),
                                         # then 5 x 3 of default for the contrast (~75 min)
     python tools/sweep.py long --contrast-seeds   # the long preset's runs only
     python tools/sweep.py long --regimes stale recompute --pools fifo pace   # PACE vs fifo, and vs the sync runs on disk
+                                        # (10 PACE runs, ~5 min each, ~2.8 on the faster machine)
     python tools/sweep.py long --table-only   # run nothing, write the tables and figures of what finished
     python tools/sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
 

@@ -73,7 +73,9 @@ def test_analysis_says_the_difference_as_a_share():
             for reg, vals in (("stale", [30.0, 33.0, 36.0]), ("drain", [20.0, 22.0, 24.0])) for s, v in enumerate(vals)]
     row, = [line for line in analysis(rows, None).splitlines() if line.startswith("| steps/min")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "+11.0" and cells[3].startswith("+50.0% [") and cells[4:] == ["3", "yes"], row
+    assert cells[1] == "+11.0" and cells[3].startswith("+50.0% [") and cells[4:6] == ["3", "yes"], row
+    # the paired t-test beside it: differences 10, 11, 12, sd 1, t(0.975, 2) = 4.303: 11 ± 4.303 / sqrt(3)
+    assert cells[6] == f"[{11 - 4.303 / 3 ** 0.5:+.1f}, {11 + 4.303 / 3 ** 0.5:+.1f}]" == "[+8.5, +13.5]", row
 
 
 def test_pace_columns_and_claims_by_hand(tmp_path):
@@ -104,4 +106,4 @@ def test_pace_columns_and_claims_by_hand(tmp_path):
     assert pace["CPU-s to sync's final 0.700"] == "-", pace  # the smoothed curves end at 0.65
     row, = [line for line in analysis(rows, 0.6).splitlines() if line.startswith("| CPU-s to 0.6: stale pace - sync")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:3] == ["+150", "[+150, +150]"] and cells[4:] == ["2", "yes"], row
+    assert cells[1:3] == ["+150", "[+150, +150]"] and cells[4:] == ["2", "yes", "[+150, +150]"], row

@@ -187,10 +187,9 @@ def paired(rows, a, b, value):
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
-def t_interval(rows, a, b, value):
-    """The same paired difference's 95% interval by a paired t-test, mean ± t * sd / sqrt(n):
+def t_interval(d):
+    """The paired differences d's 95% interval by a paired t-test, mean ± t * sd / sqrt(n):
     a second opinion beside the bootstrap, which is narrow on few seeds. None outside 2-11 seeds."""
-    d = [x - y for x, y in pairs(rows, a, b, value)]
     if not 2 <= len(d) <= len(T975) + 1:
         return None
     h = T975[len(d) - 1] * statistics.stdev(d) / len(d) ** 0.5
@@ -361,9 +360,10 @@ def analysis(rows, target):
         if a in keys and b in keys and (p := paired(rows, a, b, value)):
             m, (lo, hi), n = p
             # the same as a share of b's mean over the paired seeds: can these seeds see a 10% difference?
-            base = statistics.mean(y for _, y in pairs(rows, a, b, value))
+            both = pairs(rows, a, b, value)
+            base = statistics.mean(y for _, y in both)
             share = "-" if not base else f"{100 * m / base:+.1f}% [{100 * lo / base:+.1f}, {100 * hi / base:+.1f}]"
-            t = t_interval(rows, a, b, value)
+            t = t_interval([x - y for x, y in both])
             lines.append([name, fmt.format(m), f"[{fmt.format(lo)}, {fmt.format(hi)}]", share, str(n),
                           "yes" if lo > 0 or hi < 0 else "no", f"[{fmt.format(t[0])}, {fmt.format(t[1])}]" if t else "-"])
     return markdown(["comparison, paired by seed", "mean difference", "95% interval", "as % of the second's mean",

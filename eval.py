@@ -56,7 +56,7 @@ def main():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams  # ~10 s to import: after the checks
     import torch
-    # the generator's dtype (generator.make_engine): vLLM's "auto" would cast a float32 checkpoint
+    # the generator's dtype (engine.make_engine): vLLM's "auto" would cast a float32 checkpoint
     # to bfloat16 on a CPU too, and measure other weights than train.py's evaluations do
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     llm = LLM(model=model, seed=0, dtype=dtype, max_model_len=max_len)

@@ -1,7 +1,8 @@
 """
-The generator process: a vLLM engine driven one step at a time, so that new
-weights can land between two decode steps, and the bookkeeping that says which
-weights produced each token and which KV it read.
+The generator process: engine.py's Generator (a vLLM engine stepped one decode step
+at a time, and the per-token bookkeeping) run in a process of its own, beside the
+trainer, with what that takes: weights that arrive by broadcast, finished answers
+that leave by queue, and the checks that turn a dead or stuck process into an error.
 
     trainer (rank 0) --- torch.distributed broadcast (nccl | gloo) ---> vLLM worker of engine i (rank 1+i)
     trainer <--------- bounded torch.multiprocessing queue ------------ generator loop of engine i
@@ -9,9 +10,9 @@ weights produced each token and which KV it read.
 One engine by default; --engines N starts N generator processes, each its own vLLM
 engine (vLLM's advice for dense models: independent instances), one weight group.
 
-What crosses the queue is one dict per finished answer (see Rollout.to_sample).
-What the regime (regimes.py) does with the answers in flight when weights arrive
-is the only thing that differs between the five regimes; this file is the rest.
+What crosses the queue is one dict per finished answer (engine.Rollout.to_sample).
+lesson.py runs the same Generator and regimes in one process, on a simulated clock:
+read it first; this file is what real concurrency adds.
 """
 
 import os
@@ -19,6 +20,9 @@ import queue
 import sys
 import time
 import traceback
+
+from engine import Generator, kv_capacity, lane, make_engine
+from grpo import as_tensors
 
 # -----------------------------------------------------------------------------
 # weight sync: trainer side (rank 0) and vLLM worker side (ranks 1..N)
@@ -56,10 +60,16 @@ def send_weights(group, tensors, device):
 def buffer_device(backend, worker_device):
     """Where the worker receives a broadcast: nccl moves GPU tensors, gloo CPU tensors
     (also for one shared GPU, where NCCL refuses two ranks on the same device). Decided
-    on the backend string preflight.resolve_devices chose: torch's ProcessGroup.name()
+    on the backend string devices.resolve_devices chose: torch's ProcessGroup.name()
     answers lowercase "nccl"/"gloo", so a test against "NCCL" sent CPU buffers into
     an NCCL broadcast (test_generator.py::test_buffer_device_follows_backend)."""
     return worker_device if backend == "nccl" else "cpu"
+
+
+def receive_broadcast(engine, version, specs):
+    """Generator.receive in the generator process: the trainer broadcasts the weights
+    (`specs` says which tensors, in order); the worker receives and loads them."""
+    engine.collective_rpc("receive_weights", args=(version, specs))
 
 
 class WeightReceiver:
@@ -92,343 +102,17 @@ class WeightReceiver:
         self.reload_weights(weights_iterator=iter(received))
 
 # -----------------------------------------------------------------------------
-# one answer in flight, and what the trainer gets when it finishes
-
-
-class Rollout:
-    """One answer being written. Per generated token: the weight version that
-    sampled it, its logprob under the distribution actually sampled from, and
-    whether the forward pass that produced it read KV written by older weights."""
-
-    def __init__(self, sample_id, prompt_id, group_id, prompt_ids, max_tokens):
-        self.sample_id, self.prompt_id, self.group_id = sample_id, prompt_id, group_id
-        self.prompt_ids, self.max_tokens = list(prompt_ids), max_tokens
-        self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
-        self.kv_version = None  # weights that wrote the oldest KV this request reads (set at prefill)
-        self.attempt = 0  # bumped each time the request is re-submitted to vLLM
-        self.submitted = time.time()
-        self.recomputed = 0  # tokens whose KV was rebuilt under newer weights
-        # provenance (answers.jsonl), run-length encoded: one entry per run of engine
-        # steps with the same weights, not one per token (~0.4 KB per answer in answers.jsonl)
-        self.segments = []  # [t0, t1, version, n_tokens, stale]: consecutive steps that wrote tokens
-        self.prefills = []  # [t0, t1, version, n_tokens, "prompt" | "recompute"]: steps that wrote KV of a prefix
-        self.discarded = []  # [t, n_tokens, segments]: attempts thrown away (discard)
-        self.last_step = None  # engine step that wrote the last token, to know when a run breaks
-
-    @property
-    def request_id(self):
-        return f"{self.sample_id}.{self.attempt}"
-
-    def record(self, token_ids, logprobs, version, step, t0, t1):
-        """Tokens of engine step `step` (which ran from t0 to t1) under `version`. Returns
-        the tokens whose KV this step rebuilt (recompute), 0 if it rebuilt none."""
-        rebuilt = 0
-        if self.kv_version is None:  # this step was the (unchunked) prefill
-            self.kv_version = version
-            kind = "recompute" if self.tokens else "prompt"
-            self.prefills.append([t0, t1, version, len(self.prompt_ids) + len(self.tokens), kind])
-            if self.tokens:  # counted when the prefill runs: an answer re-submitted twice before it ran, once
-                rebuilt = len(self.prompt_ids) + len(self.tokens)
-                self.recomputed += rebuilt
-        stale, n = self.kv_version < version, len(token_ids)
-        self.tokens += token_ids
-        self.logprobs += logprobs
-        self.versions += [version] * n
-        self.stale += [stale] * n
-        seg = self.segments[-1] if self.segments else None
-        if seg and self.last_step == step - 1 and seg[2] == version and seg[4] == stale:
-            seg[1], seg[3] = t1, seg[3] + len(token_ids)  # the run goes on: a few compares per token
-        else:
-            self.segments.append([t0, t1, version, len(token_ids), stale])
-        self.last_step = step
-        return rebuilt
-
-    def to_sample(self, finish_reason):
-        """The sample as it crosses the queue: numpy arrays, which pickle through the
-        pipe; the trainer's GeneratorHandle.get makes them tensors without a copy. A
-        torch tensor would cross as a shared-memory segment whose file descriptor the
-        receiver fetches over a socket: ~2 ms per sample of five small tensors,
-        against 0.2 ms pickled (measured), and the trainer waited on it every step."""
-        import numpy as np
-        finished = time.time()
-        return dict(
-            sample_id=self.sample_id, prompt_id=self.prompt_id, group_id=self.group_id,
-            prompt_ids=np.array(self.prompt_ids, dtype=np.int32),
-            token_ids=np.array(self.tokens, dtype=np.int32),
-            logprobs=np.array(self.logprobs, dtype=np.float32),
-            versions=np.array(self.versions, dtype=np.int32),
-            stale=np.array(self.stale, dtype=bool),
-            recomputed=self.recomputed, finish_reason=finish_reason,
-            submitted=self.submitted, finished=finished,
-            provenance=dict(admitted=self.submitted, prompt_len=len(self.prompt_ids), segments=self.segments,
-                            prefills=self.prefills, discarded=self.discarded, finished=finished),
-        )
-
-    def restart(self):
-        """Forget the partial answer (the discard regime); its provenance keeps what was thrown away."""
-        self.discarded.append([time.time(), len(self.tokens), self.segments])
-        self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
-        self.segments, self.kv_version, self.last_step = [], None, None
-
-# -----------------------------------------------------------------------------
-# the engine, driven step by step
-
-
-def make_engine(cfg):
-    """vLLM's LLMEngine, in this process, stepped by us. Three settings make one
-    step() one forward pass that has finished when step() returns, so that weights
-    loaded between two step() calls are the weights of every later token:
-    - VLLM_ENABLE_V1_MULTIPROCESSING=0 (set by the spawner): the engine core lives in
-      this process. With the default multiprocess core, the core keeps stepping on its
-      own and step() only collects outputs.
-    - async_scheduling=False: on CUDA, vLLM 0.32 turns it on by default
-      (vllm/config/vllm.py); the engine then keeps a queue of 2 batches and launches
-      the next forward pass before step() returns, so a load between two step() calls
-      would land one step late and mislabel a token's version. The CPU platform forces
-      it off (vllm/platforms/cpu.py); we set it on every platform and read it back.
-    - no chunked prefill: a prompt's KV is written in one step, by one version."""
-    from vllm import EngineArgs, LLMEngine
-    on_gpu = cfg["gen_device"].startswith("cuda")
-    max_len = cfg["max_model_len"]
-    args = EngineArgs(
-        model=cfg["model_path"], tokenizer=cfg["model_path"], seed=cfg["seed"],
-        dtype="bfloat16" if on_gpu else "float32",
-        max_model_len=max_len,
-        max_num_seqs=cfg["max_num_seqs"],
-        async_scheduling=False,
-        # prefix caching would hand KV written by old weights to *new* requests
-        # (GRPO groups share prompts): off, so every request's KV is its own
-        enable_prefix_caching=False,
-        # unchunked prefill: a prompt's KV is written in one step, by one version. The
-        # budget is tokens prefilled per step: a recompute burst re-prefills every
-        # answer in flight (hundreds on GPU, where a large prefill step is cheap); on
-        # CPU, what vLLM's LLM class takes there (4096; an LLMEngine's default is 2048)
-        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 16384 if on_gpu else 4096),
-        # logprob of the sampled token under the distribution actually sampled
-        # from (after temperature), which is the behaviour policy the trainer needs
-        logprobs_mode="processed_logprobs",
-        worker_extension_cls="generator.WeightReceiver",
-        gpu_memory_utilization=cfg["gpu_memory_utilization"],
-        num_gpu_blocks_override=cfg.get("kv_blocks_override"),  # tests: a small KV cache
-        enforce_eager=not on_gpu,
-        disable_log_stats=True,
-    )
-    engine = LLMEngine.from_engine_args(args)
-    if engine.vllm_config.scheduler_config.async_scheduling is not False:
-        raise RuntimeError("vLLM kept async scheduling on: weight versions would be off by one step")
-    return engine
-
-
-def kv_capacity(engine, max_model_len):
-    """How many answers of max_model_len tokens (prompt + answer) the engine's KV cache
-    holds at once. The Generator keeps at most this many requests in the engine, so
-    vLLM never runs out of KV blocks and never preempts: a preempted request's KV is
-    later rebuilt from scratch under whatever weights are loaded, which the per-token
-    bookkeeping would not know (it is still detected: see watch_preemptions).
-    Returns (answers, tokens)."""
-    cache = engine.vllm_config.cache_config
-    blocks = cache.num_gpu_blocks - 1  # vLLM's block pool keeps one as its null block (v1/core/block_pool.py)
-    return blocks // -(-max_model_len // cache.block_size), blocks * cache.block_size
-
-
-def watch_preemptions(engine, on_preempt):
-    """Call on_preempt(request_id) whenever vLLM's scheduler preempts a request. The
-    kv_capacity bound makes this impossible; this is the check that it stays so.
-    Reaches into the in-process engine core (vLLM 0.32.0: InprocClient.engine_core
-    .scheduler._preempt_request); pinned by test_generator.py::test_engine_settings_and_no_preemption."""
-    scheduler = engine.engine_core.engine_core.scheduler
-    preempt = scheduler._preempt_request
-
-    def counted(request, *args, **kwargs):
-        on_preempt(request.request_id)
-        return preempt(request, *args, **kwargs)
-    scheduler._preempt_request = counted
-
-
-class Generator:
-    """Owns the engine, the answers in flight and the weight version. The regime
-    calls submit/abort/load_weights; everything else is bookkeeping."""
-
-    def __init__(self, cfg, engine, problems, tokenizer, outbox):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-        from data import make_prompt
-        self.cfg, self.engine, self.outbox = cfg, engine, outbox
-        self.prompts = [tokenizer(make_prompt(tokenizer, p["question"], cfg["dataset"]),
-                                  add_special_tokens=False)["input_ids"] for p in problems]
-        self.answers = [p["answer"] for p in problems]  # travel with each sample, for the reward
-        self.params = lambda max_tokens: SamplingParams(
-            temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,
-            detokenize=False, output_kind=RequestOutputKind.DELTA)
-        self.version = self.start_version = cfg["start_version"]  # > 0 when resuming
-        self.inflight = {}  # request id -> Rollout
-        # engine i of N writes the groups g = i mod N, from the data position on (pace.Pool.position)
-        self.engine_id, engines = cfg.get("engine", 0), cfg.get("engines", 1)
-        self.proc = lane(cfg)  # its lane on the timeline
-        self.start_group = cfg["start_group"]
-        self.next_group = self.start_group + (self.engine_id - self.start_group) % engines
-        self.skip = set(cfg.get("skip_groups", ()))  # groups after it already consumed or rejected (resume)
-        self.rejected = 0  # groups the trainer's pool rejected since this generator started (may_admit)
-        self.admitting = True  # drain turns this off while it finishes old answers
-        self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
-                          recomputed_tokens=0, loads=0, preempted=0)
-        self.stats.update(cfg.get("start_stats") or {})  # resume: the run's counters at its checkpoint
-        # requests in the engine at once (training + eval): at most what its KV cache holds
-        self.kv_answers = min(cfg["max_num_seqs"], kv_capacity(engine, cfg["max_model_len"])[0])
-        watch_preemptions(engine, self.preempted)
-        self.activity = None
-        self.steps = 0  # engine steps so far: a token's step number tells runs of steps apart
-        self.eval_out = {}  # eval request id -> token ids (None while running)
-
-    def set_activity(self, what):
-        """Timeline entry (events.jsonl) when what the generator does changes."""
-        if what != self.activity:
-            self.activity = what
-            self.outbox.append(("event", dict(t=time.time(), proc=self.proc, engine=self.engine_id, what=what,
-                                              version=self.version)))
-
-    def preempted(self, request_id):
-        """vLLM preempted a request (see kv_capacity: it should never happen): its KV will
-        be rebuilt from scratch under the weights loaded when it is rescheduled, so the
-        next token's forward pass reads no older KV. Counted in metrics."""
-        self.stats["preempted"] += 1
-        if request_id in self.inflight:
-            self.inflight[request_id].kv_version = None  # Rollout.record sets it at the rebuild
-
-    def mark(self, kind, t0, t1, **more):
-        """A moment on the timeline (events.jsonl) that is not an activity: a weight
-        load from receive to loaded ("load", version = the new one), an evaluation ("eval")."""
-        self.outbox.append(("event", dict(t=t1, proc=self.proc, engine=self.engine_id, mark=kind, t0=t0, t1=t1,
-                                          version=self.version,
-                                          **more)))
-
-    # -- what regimes call
-
-    def submit(self, r):
-        """(Re)start a request: prompt + whatever was generated so far is prefilled."""
-        r.attempt += 1
-        prompt = dict(prompt_token_ids=r.prompt_ids + r.tokens)
-        self.engine.add_request(r.request_id, prompt, self.params(r.max_tokens - len(r.tokens)))
-        self.inflight[r.request_id] = r
-
-    def abort_all(self):
-        """Take every answer out of the engine (its KV is freed); returns them."""
-        self.engine.abort_request(list(self.inflight))
-        rollouts, self.inflight = list(self.inflight.values()), {}
-        return rollouts
-
-    def load_weights(self, version, specs):
-        """Receive the broadcast and load it in place, between two engine steps."""
-        self.set_activity("loading")
-        t0 = time.time()
-        self.engine.collective_rpc("receive_weights", args=(version, specs))
-        t1 = time.time()
-        self.version = version
-        self.stats["loads"] += 1
-        self.stats["load_s"] = self.stats.get("load_s", 0.0) + t1 - t0
-        self.mark("load", t0, t1)
-
-    # -- the loop's parts
-
-    def may_admit(self):
-        """AReaL's staleness bound: at most (version + max_lag + 1) batches admitted,
-        not counting the groups the trainer's pool has rejected (--pool pace). The
-        trainer takes groups in admission order (pace.Pool), so nothing admitted now is
-        consumed more than max_lag versions after the weights that started it: this
-        bounds the *generation* staleness of what is trained. A rejected group leaves
-        its place to a new one, so a generator faster than the trainer keeps the pool
-        above PACE's target and PACE keeps rejecting the stalest (its *waiting*
-        staleness), as its abstract describes. (Counting rejected groups as admitted,
-        as before, let PACE reject once and never again: after one burst the pool could
-        not exceed its target; RESULTS.md, PACE.)"""
-        versions = self.version - self.start_version + self.cfg["max_lag"] + 1
-        budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
-        return (self.admitting and self.next_group < budget and len(self.outbox) < self.cfg["queue_size"]
-                and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers)
-
-    def admit(self):
-        while self.may_admit():
-            g = self.next_group
-            self.next_group += self.cfg.get("engines", 1)
-            if g in self.skip:  # consumed or rejected before the run was resumed
-                continue
-            pid = g % len(self.prompts)  # the problem list is already shuffled
-            for i in range(self.cfg["group_size"]):
-                self.submit(Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"]))
-
-    def step(self):
-        """One engine step; finished answers go to the outbox."""
-        t0 = time.time()
-        outputs = self.engine.step()
-        t1, self.steps = time.time(), self.steps + 1
-        inflight, version, step = self.inflight, self.version, self.steps  # locals: this loop runs per answer per step
-        tokens = rebuilt = 0
-        for out in outputs:
-            if out.request_id in self.eval_out:  # FINAL_ONLY: one output, when it is done
-                self.eval_out[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
-                continue
-            r = inflight.get(out.request_id)
-            if r is None:  # output of a request aborted this step
-                continue
-            c = out.outputs[0]
-            ids = c.token_ids
-            rebuilt += r.record(ids, [d[t].logprob for t, d in zip(ids, c.logprobs)], version, step, t0, t1)
-            tokens += len(ids)
-            if out.finished:
-                del inflight[out.request_id]
-                sample = r.to_sample(c.finish_reason)
-                sample["answer"], sample["engine"] = self.answers[r.prompt_id], self.engine_id
-                self.outbox.append(("sample", sample))
-        self.stats["gen_tokens"] += tokens
-        self.stats["recomputed_tokens"] += rebuilt
-        self.stats["gen_busy_s"] += time.time() - t0
-
-    def evaluate(self, prompts, max_tokens):
-        """Greedy answers under the weights loaded now, as (token ids, finish reason)
-        ("stop" or "length": cut at max_tokens). Training answers in flight share these
-        steps; no weights load until the evaluation is done, so their bookkeeping is
-        unaffected."""
-        from tqdm import tqdm
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-        self.set_activity("evaluating")
-        t0 = time.time()
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-        ids = [f"eval{self.version}-{i}" for i in range(len(prompts))]
-        todo, self.eval_out = list(zip(ids, prompts)), {}  # eval id -> (token ids, reason), None while running
-        with tqdm(total=len(ids), desc=f"eval v{self.version}", leave=False) as bar:
-            while todo or None in self.eval_out.values():
-                # add eval requests only while the KV cache has room for them (kv_capacity)
-                room = self.kv_answers - len(self.inflight) - sum(v is None for v in self.eval_out.values())
-                for rid, p in todo[:max(0, room)]:
-                    self.eval_out[rid] = None
-                    self.engine.add_request(rid, dict(prompt_token_ids=p), params)
-                todo = todo[max(0, room):]
-                self.step()
-                bar.update(sum(v is not None for v in self.eval_out.values()) - bar.n)
-        results, self.eval_out = [self.eval_out[i] for i in ids], {}
-        self.mark("eval", t0, time.time(), n=len(ids))
-        return results
-
-# -----------------------------------------------------------------------------
 # the process
 
 
 def keep_to_gen_cores():
     """On CPU, pin every thread of this process to the generator's cores
-    (INFLIGHT_GEN_CORES, from preflight.resolve_devices). vLLM's VLLM_CPU_OMP_THREADS_BIND binds
+    (INFLIGHT_GEN_CORES, from devices.resolve_devices). vLLM's VLLM_CPU_OMP_THREADS_BIND binds
     only the workers its multiprocess executor spawns, not an in-process engine, and
     a spawned child inherits the trainer's cores: both ran on one core."""
     if cores := os.environ.get("INFLIGHT_GEN_CORES"):
         for tid in os.listdir("/proc/self/task"):  # every thread started so far
             os.sched_setaffinity(int(tid), [int(c) for c in cores.split(",")])
-
-
-def lane(cfg):
-    """The engine's name in events, answers.jsonl and its files: "generator", or
-    "generator<i>" when there are several."""
-    return "generator" if cfg.get("engines", 1) == 1 else f"generator{cfg.get('engine', 0)}"
 
 
 def stack_file(cfg):
@@ -498,9 +182,9 @@ def run_generator(cfg, samples_q, control_q, trainer):
     problems = load_problems(cfg["dataset"], "train", data_file=cfg.get("data_file"), steps=cfg["synth_steps"])
     random.Random(cfg["seed"]).shuffle(problems)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
-    engine = make_engine(cfg)
+    engine = make_engine(cfg, worker_extension="generator.WeightReceiver")
     outbox = []
-    gen = Generator(cfg, engine, problems, tokenizer, outbox)
+    gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive_broadcast)
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
     samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,
                                         admit_at_once=gen.kv_answers)))
@@ -610,7 +294,7 @@ class GeneratorHandle:
     death of an engine into an exception that carries its own traceback."""
 
     def __init__(self, cfg, envs):
-        """envs: one environment per engine (preflight.resolve_devices)."""
+        """envs: one environment per engine (devices.resolve_devices)."""
         import socket
         import torch.multiprocessing as mp
         self.n = len(envs)
@@ -696,8 +380,6 @@ class GeneratorHandle:
 
     def get(self, timeout):
         """Next (kind, item) from the generators, or None after `timeout` seconds."""
-        import numpy as np
-        import torch
         deadline = time.time() + timeout
         while True:
             try:
@@ -722,7 +404,7 @@ class GeneratorHandle:
             if kind == "event":
                 self.last_event[i] = item
             if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
-                item = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
+                item = as_tensors(item)
                 self.engine_stats[i] = item["gen_stats"]
                 self.stats = {k: sum(s.get(k, 0) for s in self.engine_stats) for k in item["gen_stats"]
                               if k not in ("version", "max_step_s")}

@@ -7,7 +7,7 @@ Groups are consumed in admission order (first admitted, first consumed): a step
 takes the oldest groups not yet taken, and waits for one whose answers are still
 being written rather than let later groups overtake it. That is what makes
 --max-lag a bound: the generator admits group g only once g < (versions loaded +
-max_lag + 1) x prompts_per_step (generator.Generator.may_admit), and taken in order,
+max_lag + 1) x prompts_per_step (engine.Generator.may_admit), and taken in order,
 g is trained at most max_lag versions after the weights that started it. Groups the
 pool rejected do not count in g: each leaves its place to a new one, so a generator
 faster than the trainer keeps the pool above PACE's target, and PACE keeps rejecting

@@ -9,11 +9,10 @@ It protects the user from:
 - vLLM capping answers without a word, or refusing in the generator after its start
   (check_budget: the longest prompt + --max-new-tokens must fit --max-model-len);
 - a trainer that runs out of GPU memory after the model loaded (check_memory_plan),
-  and a KV cache that cannot hold one group (check_kv_plan);
-- the generator on the wrong GPU under CUDA_VISIBLE_DEVICES, and two processes
-  fighting over the same CPU cores (resolve_devices).
+  and a KV cache that cannot hold one group (check_kv_plan).
+Where each process runs is devices.py's.
 
-train.py calls one of these per line of its setup; this file says how each works.
+train.py and lesson.py call one of these per line of their setup; this file says how each works.
 """
 
 import os
@@ -40,10 +39,10 @@ def model_path(name):
 
 
 def check_config(cfg, presets):
-    """What can be checked without loading anything: numbers, files, train.py's PRESETS."""
+    """What can be checked without loading anything: numbers, files, config.py's PRESETS."""
     for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens",
               "max_num_seqs", "engines"):
-        if cfg[k] is not None and cfg[k] < 1:
+        if cfg.get(k) is not None and cfg[k] < 1:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
     if cfg["group_size"] < 2:
         raise UsageError(f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "
@@ -126,76 +125,6 @@ def load_splits(cfg):
     return train, test
 
 
-def physical_gpu(device):
-    """The CUDA_VISIBLE_DEVICES entry that shows the child process `device` (an index in
-    this process's view) as its only GPU: with CUDA_VISIBLE_DEVICES=2,3 set by the user,
-    our cuda:0 is their GPU 2, and the child must be given "2", not "0"."""
-    index = int(device.split(":")[1]) if ":" in device else 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",")[index].strip() if visible else str(index)
-
-
-def resolve_devices(cfg, world=1, local_rank=0):
-    """Where each process runs. auto: with GPUs, the --engines generator engines on the
-    first ones (cuda:0 .. cuda:N-1) and trainer rank r (of `world`, torchrun) on the next
-    (cuda:N+r), sharing the last GPU when there are too few: two GPUs, one of each, is
-    generator cuda:0 and trainer cuda:1; one GPU, both share it. No GPU: everything on
-    CPU, the cores split in half (engines first), each half split among its processes.
-    Returns the environment each engine's process starts with."""
-    import torch
-    n_gpu, n = torch.cuda.device_count(), cfg["engines"]
-    if cfg["gen_device"] == "auto":
-        gens = [f"cuda:{i}" for i in range(n)] if n_gpu else ["cpu"] * n
-    else:
-        gens = cfg["gen_device"].split(",")
-        gens = gens * n if len(gens) == 1 and gens[0] == "cpu" else gens
-    if len(gens) != n:
-        raise UsageError(f"--gen-device {cfg['gen_device']}: {len(gens)} devices for --engines {n}")
-    if cfg["train_device"] == "auto":
-        cfg["train_device"] = f"cuda:{min(n + local_rank, n_gpu - 1)}" if n_gpu else "cpu"
-    train = cfg["train_device"]
-    cfg["gen_device"], cfg["gen_devices"] = gens[0], gens
-    # NCCL needs distinct GPUs; otherwise weights travel through CPU memory over gloo
-    all_cuda = train.startswith("cuda") and all(g.startswith("cuda") for g in gens)
-    cfg["sync_backend"] = "nccl" if all_cuda and train not in gens and len(set(gens)) == n else "gloo"
-    if cfg["gpu_memory_utilization"] is None:
-        cfg["gpu_memory_utilization"] = 0.3 if train in gens else 0.85
-    common = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the generator process: see generator.make_engine
-              # vLLM logs every in-place reload (and warns that the rotary embedding has no
-              # weights to load): quiet by default, VLLM_LOGGING_LEVEL=INFO shows it all
-              "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
-    envs = [dict(common, CUDA_VISIBLE_DEVICES=physical_gpu(g) if g.startswith("cuda") else "") for g in gens]
-    cores = sorted(os.sched_getaffinity(0))
-    cfg["gen_threads"] = 1
-    if gens[0] == "cpu":
-        half = cores[:max(1, len(cores) // 2)]
-        for i, env in enumerate(envs):
-            mine = half[i::n] if len(half) >= n else half  # a core each if there are enough, else shared
-            env["INFLIGHT_GEN_CORES"] = ",".join(map(str, mine))  # generator_main keeps to these
-            env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for small models, leaves RAM for the trainer
-            cfg["gen_threads"] = len(mine)
-        if train == "cpu" and len(cores) > 1:  # the trainer ranks keep to the other half
-            rest = cores[len(half):]
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            os.sched_setaffinity(0, rest[local_rank::local] if len(rest) >= local else rest)
-    if train == "cpu":
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    else:
-        torch.cuda.set_device(train)
-    return envs
-
-
-def prepare(cfg, world=1, local_rank=0):
-    """Devices, the model's path and the generator's runtime settings; returns each
-    engine's environment."""
-    cfg["model_path"] = model_path(cfg["model"])
-    envs = resolve_devices(cfg, world, local_rank)
-    batch = cfg["prompts_per_step"] * cfg["group_size"]
-    cfg.update(start_version=0, start_group=0, sync_host="127.0.0.1", queue_size=4 * batch,
-               start_timeout=900, max_num_seqs=cfg["max_num_seqs"] or max(64, 2 * batch))
-    return envs
-
-
 def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     """The trainer's memory per rank, estimated from the model's config before the model
     loads (bytes by item). AdamW with float32 master weights: 4 (weights) + 4 (grads) + 8
@@ -205,7 +134,7 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     token of the largest micro-batch, with gradient checkpointing (on for CUDA) and SDPA
     attention: each layer keeps its float32 input; the layer being recomputed holds
     its bf16 intermediates and their gradients. Logits: a float32 chunk
-    (train.LOGIT_CHUNK_BYTES) and ~4 more of its size (scaled logits, exp in logsumexp,
+    (grpo.LOGIT_CHUNK_BYTES) and ~4 more of its size (scaled logits, exp in logsumexp,
     their gradients)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -247,7 +176,7 @@ def check_memory_plan(cfg, logit_chunk_bytes, world=1):
 
 def check_kv_plan(cfg, info):
     """The generator's KV cache against what may be admitted. Requests in the engine are
-    capped at what it holds (generator.kv_capacity), so vLLM never preempts; a cache that
+    capped at what it holds (engine.kv_capacity), so vLLM never preempts; a cache that
     cannot hold one group stops the run (returns the message)."""
     batch = cfg["prompts_per_step"] * cfg["group_size"]
     print(f"vLLM KV cache: {info['kv_tokens']} tokens = {info['kv_answers']} answers of --max-model-len "

@@ -12,7 +12,7 @@ is a no-op or the identity, and train.py runs exactly as it always has. With K r
   advantages, and hands each rank its share (scatter: answers balanced by tokens). Ranks
   1..K-1 run train.follow: receive a share, take the same optimizer step, help gather.
 - The loss stays the mean over the *whole* batch: rank 0 weighs each answer's tokens
-  for the whole batch (train.token_weights) before it splits it, and FSDP2's
+  for the whole batch (grpo.token_weights) before it splits it, and FSDP2's
   reduce-scatter sums the ranks' gradients instead of averaging them
   (set_gradient_divide_factor(1), as torchtitan). The gradient does not depend on K
   (tests/test_ranks.py).

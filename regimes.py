@@ -1,17 +1,19 @@
 """
 The five regimes: what happens to half-written answers when weights v+1 arrive.
 
-Each regime is one class with one method, `switch(gen, version, specs)`, called by
-the generator loop (generator.py) on every iteration while new weights wait. It
-returns True once it has loaded them. Everything it may do to the generator:
+Each regime is one class with one method, `switch(gen, version, weights)`, called
+between two engine steps on every turn of the loop while new weights wait (lesson.py's
+loop, or the generator process's in generator.py: the same classes). It returns True
+once it has loaded them. Everything it may do to the generator (engine.Generator):
 
-    gen.load_weights(version, specs)  receive the broadcast, load in place (between two steps)
-    gen.abort_all()                   take every answer out of vLLM, freeing its KV; returns them
-    gen.submit(rollout)               (re)start an answer: prompt + its tokens so far are prefilled
-    gen.admitting = False/True        stop / resume admitting new prompts
-    gen.inflight                      the answers vLLM is writing now
+    gen.load_weights(version, weights)  load them in place, between two engine steps
+    gen.abort_all()                     take every answer out of vLLM, freeing its KV; returns them
+    gen.submit(rollout)                 (re)start an answer: prompt + its tokens so far are prefilled
+    gen.admitting = False/True          stop / resume admitting new prompts
+    gen.inflight                        the answers vLLM is writing now
+    gen.clock.now()                     the time: real in the generator process, simulated in lesson.py
 
-Per-token bookkeeping (generator.Rollout.record) follows from these calls: a token
+Per-token bookkeeping (engine.Rollout.record) follows from these calls: a token
 carries the version loaded when it was sampled, and is flagged stale when its
 request's oldest KV was written by an older version than that.
 
@@ -24,9 +26,6 @@ request's oldest KV was written by an older version than that.
 | recompute | KV of prompt + partial rebuilt under v+1    | prefix tokens from v          | recomputed (prefill) tokens |
 """
 
-import time
-
-
 class Sync:
     """A (classic GRPO). Generate one batch with v, hand it over, wait, load v+1.
 
@@ -37,9 +36,9 @@ class Sync:
 
     max_lag = 0
 
-    def switch(self, gen, version, specs):
+    def switch(self, gen, version, weights):
         assert not gen.inflight, "sync admits one batch per version; nothing may be in flight"
-        gen.load_weights(version, specs)
+        gen.load_weights(version, weights)
         return True
 
 
@@ -56,18 +55,18 @@ class Drain:
     def __init__(self):
         self.drain_start = None
 
-    def switch(self, gen, version, specs):
+    def switch(self, gen, version, weights):
         if gen.inflight:
             if self.drain_start is None:
-                self.drain_start = time.time()
+                self.drain_start = gen.clock.now()
                 gen.admitting = False  # the loop shows this as "draining" on the timeline
             return False
         if self.drain_start is not None:
-            waited = time.time() - self.drain_start
+            waited = gen.clock.now() - self.drain_start
             gen.stats["drain_s"] = gen.stats.get("drain_s", 0.0) + waited
             gen.stats["gen_idle_s"] += waited
             self.drain_start = None
-        gen.load_weights(version, specs)
+        gen.load_weights(version, weights)
         gen.admitting = True
         return True
 
@@ -81,12 +80,12 @@ class Discard:
     aborted answers are wasted (discarded_tokens), and long answers are the ones
     most often cut, so the surviving batch is biased towards short answers."""
 
-    def switch(self, gen, version, specs):
+    def switch(self, gen, version, weights):
         aborted = gen.abort_all()
         for r in aborted:  # thrown away now, before the load (the provenance notes when)
             gen.stats["discarded_tokens"] += len(r.tokens)
-            r.restart()
-        gen.load_weights(version, specs)
+            r.restart(gen.clock.now())
+        gen.load_weights(version, weights)
         for r in aborted:
             gen.submit(r)
         return True
@@ -103,8 +102,8 @@ class Stale:
     the trainer's importance weights see it as it was. Cost: none in compute;
     the price is in the quality of the tokens after the switch."""
 
-    def switch(self, gen, version, specs):
-        gen.load_weights(version, specs)
+    def switch(self, gen, version, weights):
+        gen.load_weights(version, weights)
         return True
 
 
@@ -120,9 +119,9 @@ class Recompute:
     the trainer must weight them as such. No token reads stale KV. Cost: one
     prefill of prompt + partial per answer in flight (recomputed_tokens)."""
 
-    def switch(self, gen, version, specs):
+    def switch(self, gen, version, weights):
         aborted = gen.abort_all()
-        gen.load_weights(version, specs)
+        gen.load_weights(version, weights)
         for r in aborted:
             r.kv_version = None  # its KV is about to be written by v+1: Rollout.record counts it then
             gen.submit(r)

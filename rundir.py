@@ -1,9 +1,8 @@
 """
-What keeps the run directory, out/<run>/ (DESIGN.md's contract): the logs, the
-wasted-work ledger, the checkpoint, and --resume.
+What keeps train.py's run directory, out/<run>/ (its files: runlog.py), across a
+crash: the checkpoint, and --resume.
 
 It protects the user from:
-- losing what was logged when the run crashes (RunLog: every line flushed whole);
 - a crash while saving that leaves no checkpoint, or half of one (save_checkpoint
   writes ckpt.tmp/ and renames; recover_checkpoint finds the complete one);
 - a resumed run that shows some steps or answers twice, or loses groups (cut_logs: the
@@ -43,89 +42,6 @@ def resume_config(run, steps, defaults):
     # out: the directory as given now, wherever the run was started from
     cfg.update(resume=run, out=run, steps=steps or cfg["steps"])
     return cfg
-
-
-class RunLog:
-    """metrics.jsonl, events.jsonl and answers.jsonl, appended and flushed line by
-    line, so a crash loses nothing already logged."""
-
-    def __init__(self, out, tensorboard=False):
-        # --tensorboard: the same numbers for TensorBoard (metrics.jsonl stays the record)
-        self.tracker = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tracker = SummaryWriter(os.path.join(out, "tensorboard"))
-        self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")
-        self.events = open(os.path.join(out, "events.jsonl"), "a")
-        self.answers_f = open(os.path.join(out, "answers.jsonl"), "a")
-        self.activity = None
-
-    def event(self, e):
-        self.events.write(json.dumps(e) + "\n")
-        self.events.flush()
-
-    def trainer(self, what):
-        """The trainer's activity (events.jsonl), when it changes."""
-        if what != self.activity:
-            self.activity = what
-            self.event(dict(t=time.time(), proc="trainer", what=what))
-
-    def metric(self, m):
-        self.metrics.write(json.dumps(m) + "\n")
-        self.metrics.flush()
-        if self.tracker:
-            for k, v in m.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tracker.add_scalar(k, v, m["step"], walltime=time.time())
-            self.tracker.flush()
-
-    def answers(self, consumed, rejected, step):
-        """answers.jsonl: one line per answer the pool let go of, with its provenance
-        (generator.Rollout) and its fate: consumed by this step or rejected (PACE)."""
-        t = time.time()
-        lines = [json.dumps(dict(sample_id=s["sample_id"], group_id=s["group_id"], prompt_id=s["prompt_id"],
-                                 engine=s["engine"], tokens=len(s["token_ids"]), fate=fate, step=step, t=t,
-                                 **s["provenance"]))
-                 for groups, fate in ((consumed, "consumed"), (rejected, "rejected")) for g in groups for s in g]
-        self.answers_f.write("".join(line + "\n" for line in lines))
-        self.answers_f.flush()
-
-
-def write_ledger(cfg, gen_stats):
-    """The wasted-work ledger of the run (every session of it, when it was resumed):
-    where the generated tokens went, and each process's wall-clock by activity
-    (events.jsonl), as shares of the time after start-up. generated = trained +
-    discarded + rejected + left over (in the pool or in flight at the end, or lost
-    when a run died after its checkpoint); recomputed tokens were prefilled again, not
-    generated. gen_stats: the generator's counters, which a resumed run continues."""
-    from plot import activity_spans, read_jsonl
-    steps = [m for m in read_jsonl(os.path.join(cfg["out"], "metrics.jsonl")) if "trained_tokens" in m]
-    tok = dict(generated=gen_stats.get("gen_tokens", 0), trained=sum(m["trained_tokens"] for m in steps),
-               discarded=gen_stats.get("discarded_tokens", 0),
-               rejected=sum(m.get("rejected_tokens", 0) for m in steps))
-    tok["left_over"] = tok["generated"] - tok["trained"] - tok["discarded"] - tok["rejected"]
-    tok["recomputed"] = gen_stats.get("recomputed_tokens", 0)
-    secs, startup, total = {}, 0.0, 0.0
-    for proc, what, t0, t1 in activity_spans(read_jsonl(os.path.join(cfg["out"], "events.jsonl"))):
-        if what == "starting" and proc == "trainer":  # the engine's start dominates short CPU runs
-            startup += t1 - t0
-        elif what not in ("starting", "done", "stopped"):  # stopped: between a crash and --resume
-            secs.setdefault(proc, {}).setdefault(what, 0.0)
-            secs[proc][what] += t1 - t0
-            total += (t1 - t0) * (proc == "trainer")  # the trainer's activities tile the run
-    led = dict(tokens=tok, seconds=secs, total_s=total, startup_s=startup)
-    with open(os.path.join(cfg["out"], "ledger.json"), "w") as f:
-        json.dump(led, f, indent=1)
-    g = max(1, tok["generated"])
-    print(f"wasted-work ledger ({cfg['out']}/ledger.json): {tok['generated']:,} tokens generated = "
-          + " + ".join(f"{tok[k]:,} {k.replace('_', ' ')} ({100 * tok[k] / g:.1f}%)"
-                       for k in ("trained", "discarded", "rejected", "left_over"))
-          + f"; {tok['recomputed']:,} prefilled again (recompute)")
-    for proc, d in secs.items():
-        shares = sorted(d.items(), key=lambda x: -x[1])
-        print(f"  {proc:9s} {total:.0f} s after {startup:.0f} s of start-up: "
-              + ", ".join(f"{w} {100 * s / max(total, 1e-9):.0f}%" for w, s in shares))
-    return led
 
 
 def save_checkpoint(cfg, model, tokenizer, opt, ranks, progress):

@@ -115,7 +115,7 @@ def update(model, samples, problems, tokenizer, cfg, device):
     Returns the rewards."""
     import torch
     from reward import score
-    from train import answer_logprobs, micro_batches, token_weights, train_step
+    from grpo import answer_logprobs, micro_batches, token_weights, train_step
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in samples], skip_special_tokens=True)
     rewards = torch.tensor([score(t, problems[s["prompt"]]["answer"], cfg["dataset"]) for t, s in zip(texts, samples)])
     r = rewards.view(-1, cfg["group_size"])

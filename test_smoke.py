@@ -1,6 +1,6 @@
 """
 Every regime end to end through train.py, as a user runs it: a few steps on CPU with
-the tiny model, then the run directory is checked against DESIGN.md's contract and
+the tiny model, then the run directory is checked against its contract (runlog.py's docstring) and
 the regime's invariants against metrics.jsonl. Also: Ctrl-C, a killed generator
 (resume: test_reliability.py, after a kill -9).
 
@@ -57,7 +57,7 @@ def test_regime_end_to_end(regime, tmp_path):
 
 
 def check_run(run, regime, steps):
-    """The run directory against DESIGN.md's contract, and the regime's invariants
+    """The run directory against its contract (runlog.py), and the regime's invariants
     against its metrics (test_smol.py checks SmolLM2's runs with it too)."""
     cfg = json.load(open(os.path.join(run, "config.json")))
     assert cfg["regime"] == regime and cfg["steps"] == steps

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from generator import GeneratorDied, GeneratorHandle
-from preflight import prepare
+from devices import prepare
 from train import parse_config
 
 
@@ -118,7 +118,7 @@ def test_killed_generator_is_noticed_fast():
     try:
         collect(gen, 1)
         cores = sorted(os.sched_getaffinity(0))
-        if len(cores) > 1:  # on CPU every generator thread keeps to its half of the cores (preflight.resolve_devices)
+        if len(cores) > 1:  # on CPU every generator thread keeps to its half of the cores (devices.resolve_devices)
             threads = os.listdir(f"/proc/{gen.procs[0].pid}/task")
             assert {frozenset(os.sched_getaffinity(int(t))) for t in threads} == {frozenset(cores[:len(cores) // 2])}
         os.kill(gen.procs[0].pid, signal.SIGKILL)
@@ -142,7 +142,7 @@ def test_engine_settings_and_no_preemption():
     (and the cap is what prevents it)."""
     from transformers import AutoTokenizer
     from data import load_problems
-    from generator import Generator, kv_capacity, make_engine
+    from engine import Generator, kv_capacity, make_engine
     cfg = parse_config(["--regime", "stale", "--out", "out/test", "--synth-steps", "8", "--max-new-tokens", "96",
                         "--max-model-len", "256", "--prompts-per-step", "4", "--group-size", "2", "--max-lag", "0"])
     cores = os.sched_getaffinity(0)
@@ -186,7 +186,7 @@ def test_recompute_counts_each_rebuild_once():
     The weights are not reloaded: only the bookkeeping is under test."""
     from transformers import AutoTokenizer
     from data import load_problems
-    from generator import Generator, make_engine
+    from engine import Generator, make_engine
     from regimes import Recompute
     cfg = parse_config(["--regime", "recompute", "--out", "out/test", "--synth-steps", "8", "--max-new-tokens", "96",
                         "--prompts-per-step", "12", "--group-size", "4", "--max-lag", "0"])

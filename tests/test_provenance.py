@@ -1,5 +1,5 @@
 """
-Per-answer provenance (answers.jsonl, generator.Rollout) checked against what
+Per-answer provenance (answers.jsonl, engine.Rollout) checked against what
 happened: a weight update forced while answers are half-written, as in
 test_regimes.py, then every answer's record is compared with its per-token arrays,
 with the load's time and with the generator's own counters. Also the answers

@@ -59,7 +59,7 @@ def step_cfg(loss):
 def grads_job(out, loss):
     """Run by each of 2 ranks (torchrun): the step of train.optimize, gradients gathered."""
     import torch.distributed as dist
-    import train
+    import grpo
     from ranks import Ranks
     torch.set_num_threads(1)
     ranks = Ranks()
@@ -68,10 +68,10 @@ def grads_job(out, loss):
     model = ranks.shard(model)
     cfg = step_cfg(loss)
     share, share_adv, weights, n_micro = ranks.scatter(
-        batch, adv, train.token_weights(cfg, batch), lambda answers: len(train.micro_batches(answers, cfg["micro_batch_tokens"])))
-    mine = (sum(len(s["token_ids"]) for s in share), len(train.micro_batches(
+        batch, adv, grpo.token_weights(cfg, batch), lambda answers: len(grpo.micro_batches(answers, cfg["micro_batch_tokens"])))
+    mine = (sum(len(s["token_ids"]) for s in share), len(grpo.micro_batches(
         [s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])))
-    total, gap, gap_tokens = ranks.sum(*train.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro))
+    total, gap, gap_tokens = ranks.sum(*grpo.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro))
     grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
     split = [None, None]
     dist.all_gather_object(split, mine)
@@ -87,7 +87,7 @@ def test_two_ranks_take_the_step_one_process_takes(loss, tmp_path):
     whole batch (float32, relative 1e-5 of the largest entry), with uneven splits (one
     rank more tokens and more micro-batches: the other runs empty ones); ppo with the
     per-answer mean (--loss-agg answer), whose weights depend on the whole batch."""
-    import train
+    import grpo
     out = str(tmp_path / "grads.pt")
     run(torchrun(HERE, "grads", out, loss))
     got = torch.load(out, weights_only=False)
@@ -95,7 +95,7 @@ def test_two_ranks_take_the_step_one_process_takes(loss, tmp_path):
     assert tok0 != tok1 and mb0 != mb1 and got["n_micro"] == max(mb0, mb1)  # uneven
     model, batch, adv = the_batch()
     cfg = step_cfg(loss)
-    ref_loss, gap, gap_tokens = train.train_step(cfg, model, batch, adv, train.token_weights(cfg, batch), "cpu")
+    ref_loss, gap, gap_tokens = grpo.train_step(cfg, model, batch, adv, grpo.token_weights(cfg, batch), "cpu")
     assert abs(got["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
     assert abs(got["gap"] - gap / gap_tokens) <= 1e-5 * abs(gap / gap_tokens)
     scale = max(p.grad.abs().max() for p in model.parameters())
@@ -112,7 +112,7 @@ def sync_job(out):
     answers written by them from both engines."""
     from test_generator import collect, hf_logprobs, hf_model, perturbed
     from generator import GeneratorHandle
-    from preflight import prepare
+    from devices import prepare
     from ranks import Ranks
     from train import parse_config
     ranks = Ranks()

@@ -61,7 +61,7 @@ def test_token_ids_round_trip():
     (version 0 on both sides), the EOS token's included. Nothing is decoded and
     re-tokenized on the way: the reward alone reads text."""
     from transformers import AutoTokenizer
-    import train
+    import grpo
     T = 0.7
     gen, cfg = start("stale", *SMOL, "--synth-steps", "1", "--max-new-tokens", "64", "--group-size", "2",
                      "--prompts-per-step", "4", "--temperature", str(T), "--max-lag", "0")
@@ -84,7 +84,7 @@ def test_token_ids_round_trip():
     assert any(s["finish_reason"] == "stop" for s in samples), "no answer ended with EOS: the test saw none"
     model = hf_model(cfg)
     with torch.no_grad():  # (N,): every answer token, answer after answer
-        logp = train.answer_logprobs(model, samples, T, "cpu")
+        logp = grpo.answer_logprobs(model, samples, T, "cpu")
     behaviour = torch.cat([s["logprobs"] for s in samples])
     assert logp.shape == behaviour.shape
     assert (logp - behaviour).abs().max() < TOL

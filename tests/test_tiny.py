@@ -40,7 +40,7 @@ def test_tiny_recipe_builds(name, tmp_path, monkeypatch):
 
 
 def test_long_preset_starts_from_tiny_long():
-    """--preset long runs from the shipped tiny-long weights (train.py's PRESETS), and a
+    """--preset long runs from the shipped tiny-long weights (config.py's PRESETS), and a
     --model given on the command line still wins over the preset's."""
     from tools import tiny
     from train import parse_config

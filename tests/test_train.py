@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import preflight
+import devices
+import grpo
 import rundir
 import train
 
@@ -94,9 +95,9 @@ def test_micro_batched_gradients_equal_whole_batch(loss, agg, advantages, monkey
     monkeypatch.setattr(train, "LOGIT_CHUNK_BYTES", 7 * 4 * 97)  # 7 positions per logit chunk
     for budget in (100_000, 160, 40):  # one micro-batch; 4; 6 (the longest answers alone)
         model.zero_grad(set_to_none=True)
-        got_loss, *_ = train.train_step(dict(cfg, micro_batch_tokens=budget), model, batch, adv,
-                                        train.token_weights(cfg, batch), "cpu")
-        n_mb = len(train.micro_batches(batch, budget))
+        got_loss, *_ = grpo.train_step(dict(cfg, micro_batch_tokens=budget), model, batch, adv,
+                                        grpo.token_weights(cfg, batch), "cpu")
+        n_mb = len(grpo.micro_batches(batch, budget))
         assert n_mb == 1 if budget == 100_000 else n_mb >= 4
         assert abs(got_loss - ref_loss) <= 1e-5 * abs(ref_loss)
         scale = max(g.abs().max() for g in ref.values())
@@ -120,17 +121,17 @@ def test_a_step_with_all_advantages_zero_is_still_an_adamw_step():
     ours = small_model()
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     batch = with_logprobs(batch_of([5, 9, 3, 7]))
-    w = train.token_weights(cfg, batch)
-    train.train_step(cfg, ours, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), w, "cpu")  # a step with a gradient:
-    train.optimizer_step(ours, opt, 0.0)  # momentum to move by
+    w = grpo.token_weights(cfg, batch)
+    grpo.train_step(cfg, ours, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), w, "cpu")  # a step with a gradient:
+    grpo.optimizer_step(ours, opt, 0.0)  # momentum to move by
     ref = copy.deepcopy(ours)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a copy: loading shares the state's tensors
     zero = torch.zeros(4)
     opt.zero_grad(set_to_none=True)
-    loss, *_ = train.train_step(cfg, ours, batch, zero, w, "cpu")
+    loss, *_ = grpo.train_step(cfg, ours, batch, zero, w, "cpu")
     assert all(p.grad is None for p in ours.parameters())  # nothing ran
-    train.optimizer_step(ours, opt, loss)
+    grpo.optimizer_step(ours, opt, loss)
     ref_opt.zero_grad(set_to_none=True)
     reference_grads(cfg, ref, batch, zero)  # every answer run: exact zero gradients
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
@@ -153,15 +154,15 @@ def test_a_non_finite_gradient_stops_before_the_weights_change():
     batch = with_logprobs(batch_of([5, 9]))
     batch[1]["logprobs"][3] = -float("inf")
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    loss, *_ = train.train_step(cfg, model, batch, torch.tensor([1.0, -1.0]), train.token_weights(cfg, batch), "cpu")
-    with pytest.raises(train.TrainingDiverged, match="not finite"):
-        train.optimizer_step(model, opt, loss)
+    loss, *_ = grpo.train_step(cfg, model, batch, torch.tensor([1.0, -1.0]), grpo.token_weights(cfg, batch), "cpu")
+    with pytest.raises(grpo.TrainingDiverged, match="not finite"):
+        grpo.optimizer_step(model, opt, loss)
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
 
 
 def test_micro_batches_group_by_length_within_budget():
     batch = batch_of([100, 3, 90, 5, 200, 4])
-    mbs = train.micro_batches(batch, 256)
+    mbs = grpo.micro_batches(batch, 256)
     assert sorted(i for mb in mbs for i in mb) == list(range(6))
     for mb in mbs:
         width = max(len(batch[i]["prompt_ids"]) + len(batch[i]["token_ids"]) for i in mb)
@@ -195,7 +196,7 @@ def test_generator_gpu_is_the_users_physical_gpu(monkeypatch):
         else:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         cfg = train.parse_config(["--dataset", "gsm8k", "--out", "out/test-devices"])
-        env, = preflight.resolve_devices(cfg)
+        env, = devices.resolve_devices(cfg)
         assert env["CUDA_VISIBLE_DEVICES"] == expect
         assert (cfg["gen_device"], cfg["train_device"], cfg["sync_backend"]) == ("cuda:0", "cuda:1", "nccl")
 

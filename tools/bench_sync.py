@@ -54,7 +54,7 @@ def bench_sync(args):
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
     from generator import GeneratorHandle, init_weight_group, spawn_with_env, weight_specs
-    from preflight import prepare
+    from devices import prepare
     from train import parse_config
     path = args.sync_model
     if path == "medium":  # a random Qwen3 big enough that bytes, not per-call overhead, dominate
@@ -122,8 +122,8 @@ def bench_generate(args):
     from vllm import LLM, SamplingParams
     from data import load_problems
     from eval import eval_prompts
-    from generator import Generator, make_engine
-    from preflight import prepare
+    from engine import Generator, make_engine
+    from devices import prepare
     from train import parse_config
     cfg = parse_config(["--regime", "stale", "--model", args.gen_model, "--out", "out/bench", "--synth-steps", "8",
                         "--max-new-tokens", "96",
@@ -167,8 +167,8 @@ def bench_provenance(args):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
     from data import load_problems
-    from generator import Generator, Rollout, make_engine
-    from preflight import prepare
+    from engine import Generator, Rollout, make_engine
+    from devices import prepare
     from train import parse_config
     cfg = parse_config(["--regime", "stale", "--out", "out/bench", "--prompts-per-step", str(args.prompts),
                         "--max-lag", "0", "--gen-device", args.gen_device, "--train-device", args.train_device])
@@ -202,14 +202,14 @@ def bench_provenance(args):
     # the record itself, outside the engine: one call per answer per step, as Generator.step makes them
     cost = {}
     for kind, fn in [("with", with_record), ("without", without_record)] * 3:
-        r = Rollout("0-0", 0, 0, [1] * 20, 10 ** 6)
+        r = Rollout("0-0", 0, 0, [1] * 20, 10 ** 6, 0.0)
         t0 = time.perf_counter()
         for step in range(100_000):
             fn(r, [7], [-0.5], 0, step, 0.0, 0.0)
         cost[kind] = min(cost.get(kind, 1e9), (time.perf_counter() - t0) / 100_000 * 1e6)
     print(f"Rollout.record per call (one token): with {cost['with']:.2f} us, without {cost['without']:.2f} us "
           "(best of 3, alternating)")
-    # the lines train.RunLog.answers writes for these answers (the last round was "without": one more "with")
+    # the lines runlog.RunLog.answers writes for these answers (the last round was "without": one more "with")
     gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
     gen.outbox.clear()
     gen.admit()

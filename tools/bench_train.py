@@ -66,7 +66,7 @@ def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
     """The README's table: GiB per trainer rank on a GPU, by model and number of ranks."""
     from transformers import AutoConfig
     from preflight import memory_plan
-    from train import LOGIT_CHUNK_BYTES
+    from grpo import LOGIT_CHUNK_BYTES
     cfg = dict(train_device="cuda:0", micro_batch_tokens=micro_batch_tokens)
     print(f"| GiB per trainer rank (--micro-batch-tokens {micro_batch_tokens}) | parameters | "
           + " | ".join(f"{k} rank{'s' * (k > 1)}" for k in world_sizes) + " |")
@@ -98,7 +98,7 @@ def main(argv=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from preflight import memory_plan
-    from train import LOGIT_CHUNK_BYTES, micro_batches, token_weights, train_step
+    from grpo import LOGIT_CHUNK_BYTES, micro_batches, token_weights, train_step
     if args.plan:
         return print_plans(args.micro_batch_tokens)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

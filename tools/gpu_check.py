@@ -41,8 +41,9 @@ def check_sync(args):
     import torch
     from transformers import AutoModelForCausalLM
     from generator import GeneratorHandle
-    from preflight import prepare
-    from train import answer_logprobs, parse_config
+    from devices import prepare
+    from grpo import answer_logprobs
+    from train import parse_config
     cfg = parse_config(["--regime", "stale", "--out", "out/gpu_check/sync", "--max-new-tokens", "64",
                         "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)])
     envs = prepare(cfg)

@@ -1,0 +1,387 @@
+"""
+The generator's engine, driven one decode step at a time: what lesson.py drives in
+its own process and generator.py drives in the generator process.
+
+A vLLM engine in this process (make_engine), stepped by us, so that new weights can
+land between two decode steps; the answers in flight, each a Rollout that records,
+per token, the weights that sampled it and whether it read KV written by older
+weights; admission under --max-lag; submit / abort / load for the regimes
+(regimes.py). No processes, queues or clocks of its own: what the Generator finishes
+goes to a list (the outbox), and the time it reads comes from a clock it is given
+(WallClock in the generator process, lesson.SimClock in the lesson).
+"""
+
+import time
+
+
+class WallClock:
+    """Real time, for the generator process: the work itself takes the time, so spend()
+    has nothing to add. lesson.SimClock counts the time instead (a cost per unit of work)."""
+
+    def now(self):
+        return time.time()
+
+    def spend(self, work, tokens=0):
+        pass
+
+# -----------------------------------------------------------------------------
+# one answer in flight, and what the trainer gets when it finishes
+
+
+class Rollout:
+    """One answer being written. Per generated token: the weight version that
+    sampled it, its logprob under the distribution actually sampled from, and
+    whether the forward pass that produced it read KV written by older weights."""
+
+    def __init__(self, sample_id, prompt_id, group_id, prompt_ids, max_tokens, now):
+        self.sample_id, self.prompt_id, self.group_id = sample_id, prompt_id, group_id
+        self.prompt_ids, self.max_tokens = list(prompt_ids), max_tokens
+        self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
+        self.kv_version = None  # weights that wrote the oldest KV this request reads (set at prefill)
+        self.attempt = 0  # bumped each time the request is re-submitted to vLLM
+        self.submitted = now
+        self.recomputed = 0  # tokens whose KV was rebuilt under newer weights
+        # provenance (answers.jsonl), run-length encoded: one entry per run of engine
+        # steps with the same weights, not one per token (~0.4 KB per answer in answers.jsonl)
+        self.segments = []  # [t0, t1, version, n_tokens, stale]: consecutive steps that wrote tokens
+        self.prefills = []  # [t0, t1, version, n_tokens, "prompt" | "recompute"]: steps that wrote KV of a prefix
+        self.discarded = []  # [t, n_tokens, segments]: attempts thrown away (discard)
+        self.last_step = None  # engine step that wrote the last token, to know when a run breaks
+
+    @property
+    def request_id(self):
+        return f"{self.sample_id}.{self.attempt}"
+
+    def prefill_tokens(self):
+        """Tokens whose KV the request's next engine step writes in one go: its prompt +
+        partial answer when that step is its (re)fill, else 0 (a decode step)."""
+        return len(self.prompt_ids) + len(self.tokens) if self.kv_version is None else 0
+
+    def record(self, token_ids, logprobs, version, step, t0, t1):
+        """Tokens of engine step `step` (which ran from t0 to t1) under `version`. Returns
+        the tokens whose KV this step rebuilt (recompute), 0 if it rebuilt none."""
+        rebuilt = 0
+        if self.kv_version is None:  # this step was the (unchunked) prefill
+            self.kv_version = version
+            kind = "recompute" if self.tokens else "prompt"
+            self.prefills.append([t0, t1, version, len(self.prompt_ids) + len(self.tokens), kind])
+            if self.tokens:  # counted when the prefill runs: an answer re-submitted twice before it ran, once
+                rebuilt = len(self.prompt_ids) + len(self.tokens)
+                self.recomputed += rebuilt
+        # the stale flag: this token was sampled by `version` attending to KV that older weights wrote
+        stale, n = self.kv_version < version, len(token_ids)
+        self.tokens += token_ids
+        self.logprobs += logprobs
+        self.versions += [version] * n
+        self.stale += [stale] * n
+        seg = self.segments[-1] if self.segments else None
+        if seg and self.last_step == step - 1 and seg[2] == version and seg[4] == stale:
+            seg[1], seg[3] = t1, seg[3] + len(token_ids)  # the run goes on: a few compares per token
+        else:
+            self.segments.append([t0, t1, version, len(token_ids), stale])
+        self.last_step = step
+        return rebuilt
+
+    def to_sample(self, finish_reason, now):
+        """The finished answer, as the trainer gets it: numpy arrays, which pickle through
+        the generator process's queue (a torch tensor would cross as a shared-memory
+        segment whose file descriptor the receiver fetches over a socket: ~2 ms per
+        sample of five small tensors, against 0.2 ms pickled, measured). The trainer
+        makes them tensors without a copy."""
+        import numpy as np
+        return dict(
+            sample_id=self.sample_id, prompt_id=self.prompt_id, group_id=self.group_id,
+            prompt_ids=np.array(self.prompt_ids, dtype=np.int32),
+            token_ids=np.array(self.tokens, dtype=np.int32),
+            logprobs=np.array(self.logprobs, dtype=np.float32),
+            versions=np.array(self.versions, dtype=np.int32),
+            stale=np.array(self.stale, dtype=bool),
+            recomputed=self.recomputed, finish_reason=finish_reason,
+            submitted=self.submitted, finished=now,
+            provenance=dict(admitted=self.submitted, prompt_len=len(self.prompt_ids), segments=self.segments,
+                            prefills=self.prefills, discarded=self.discarded, finished=now),
+        )
+
+    def restart(self, now):
+        """Forget the partial answer (the discard regime); its provenance keeps what was thrown away."""
+        self.discarded.append([now, len(self.tokens), self.segments])
+        self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
+        self.segments, self.kv_version, self.last_step = [], None, None
+
+# -----------------------------------------------------------------------------
+# the engine, driven step by step
+
+
+def make_engine(cfg, worker_extension=None):
+    """vLLM's LLMEngine, in this process, stepped by us. Three settings make one
+    step() one forward pass that has finished when step() returns, so that weights
+    loaded between two step() calls are the weights of every later token:
+    - VLLM_ENABLE_V1_MULTIPROCESSING=0 (set before the engine starts: lesson.py,
+      devices.resolve_devices): the engine core lives in this process. With the default
+      multiprocess core, the core keeps stepping on its own and step() only collects outputs.
+    - async_scheduling=False: on CUDA, vLLM 0.32 turns it on by default
+      (vllm/config/vllm.py); the engine then keeps a queue of 2 batches and launches
+      the next forward pass before step() returns, so a load between two step() calls
+      would land one step late and mislabel a token's version. The CPU platform forces
+      it off (vllm/platforms/cpu.py); we set it on every platform and read it back.
+    - no chunked prefill: a prompt's KV is written in one step, by one version.
+    worker_extension: a class path vLLM mixes into its worker (generator.WeightReceiver
+    receives pushed weights there); None for an engine that loads them in this process."""
+    from vllm import EngineArgs, LLMEngine
+    on_gpu = cfg["gen_device"].startswith("cuda")
+    max_len = cfg["max_model_len"]
+    args = EngineArgs(
+        model=cfg["model_path"], tokenizer=cfg["model_path"], seed=cfg["seed"],
+        dtype="bfloat16" if on_gpu else "float32",
+        max_model_len=max_len,
+        max_num_seqs=cfg["max_num_seqs"],
+        async_scheduling=False,
+        # prefix caching would hand KV written by old weights to *new* requests
+        # (GRPO groups share prompts): off, so every request's KV is its own
+        enable_prefix_caching=False,
+        # unchunked prefill: a prompt's KV is written in one step, by one version. The
+        # budget is tokens prefilled per step: a recompute burst re-prefills every
+        # answer in flight (hundreds on GPU, where a large prefill step is cheap); on
+        # CPU, what vLLM's LLM class takes there (4096; an LLMEngine's default is 2048)
+        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 16384 if on_gpu else 4096),
+        # logprob of the sampled token under the distribution actually sampled
+        # from (after temperature), which is the behaviour policy the trainer needs
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=worker_extension or "",
+        gpu_memory_utilization=cfg.get("gpu_memory_utilization") or 0.9,  # vLLM's default; unused on CPU
+        num_gpu_blocks_override=cfg.get("kv_blocks_override"),  # tests: a small KV cache
+        enforce_eager=not on_gpu,
+        disable_log_stats=True,
+    )
+    engine = LLMEngine.from_engine_args(args)
+    if engine.vllm_config.scheduler_config.async_scheduling is not False:
+        raise RuntimeError("vLLM kept async scheduling on: weight versions would be off by one step")
+    return engine
+
+
+def load_in_place(engine, version, state_dict):
+    """New weights into an engine whose worker runs in this process (lesson.py): vLLM's
+    in-place reload, from the trainer's state_dict (not named_parameters(): that leaves
+    out the tied lm_head.weight, and vLLM would keep its load-time copy). In place: the
+    same parameter storage, so the KV cache stays valid and keeps what older weights wrote."""
+    engine.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(state_dict.items())))
+
+
+def kv_capacity(engine, max_model_len):
+    """How many answers of max_model_len tokens (prompt + answer) the engine's KV cache
+    holds at once. The Generator keeps at most this many requests in the engine, so
+    vLLM never runs out of KV blocks and never preempts: a preempted request's KV is
+    later rebuilt from scratch under whatever weights are loaded, which the per-token
+    bookkeeping would not know (it is still detected: see watch_preemptions).
+    Returns (answers, tokens)."""
+    cache = engine.vllm_config.cache_config
+    blocks = cache.num_gpu_blocks - 1  # vLLM's block pool keeps one as its null block (v1/core/block_pool.py)
+    return blocks // -(-max_model_len // cache.block_size), blocks * cache.block_size
+
+
+def watch_preemptions(engine, on_preempt):
+    """Call on_preempt(request_id) whenever vLLM's scheduler preempts a request. The
+    kv_capacity bound makes this impossible; this is the check that it stays so.
+    Reaches into the in-process engine core (vLLM 0.32.0: InprocClient.engine_core
+    .scheduler._preempt_request); pinned by test_generator.py::test_engine_settings_and_no_preemption."""
+    scheduler = engine.engine_core.engine_core.scheduler
+    preempt = scheduler._preempt_request
+
+    def counted(request, *args, **kwargs):
+        on_preempt(request.request_id)
+        return preempt(request, *args, **kwargs)
+    scheduler._preempt_request = counted
+
+
+def lane(cfg):
+    """The engine's name in events, answers.jsonl and its files: "generator", or
+    "generator<i>" when there are several."""
+    return "generator" if cfg.get("engines", 1) == 1 else f"generator{cfg.get('engine', 0)}"
+
+
+class Generator:
+    """Owns the engine, the answers in flight and the weight version. The regime
+    calls submit/abort_all/load_weights; everything else is bookkeeping.
+
+    outbox: a list the Generator appends to, ("sample", finished answer) and ("event",
+    timeline entry); whoever drives it empties it. clock: what it reads the time from
+    (WallClock by default). receive(engine, version, weights): how new weights get into
+    the engine (load_in_place by default; the generator process receives a broadcast)."""
+
+    def __init__(self, cfg, engine, problems, tokenizer, outbox, clock=None, receive=load_in_place):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        from data import make_prompt
+        self.cfg, self.engine, self.outbox = cfg, engine, outbox
+        self.clock, self.receive = clock or WallClock(), receive
+        self.prompts = [tokenizer(make_prompt(tokenizer, p["question"], cfg["dataset"]),
+                                  add_special_tokens=False)["input_ids"] for p in problems]
+        self.answers = [p["answer"] for p in problems]  # travel with each sample, for the reward
+        self.params = lambda max_tokens: SamplingParams(
+            temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,
+            detokenize=False, output_kind=RequestOutputKind.DELTA)
+        self.version = self.start_version = cfg.get("start_version", 0)  # > 0 when resuming
+        self.inflight = {}  # request id -> Rollout
+        # engine i of N writes the groups g = i mod N, from the data position on (pace.Pool.position)
+        self.engine_id, engines = cfg.get("engine", 0), cfg.get("engines", 1)
+        self.proc = lane(cfg)  # its lane on the timeline
+        self.start_group = cfg.get("start_group", 0)
+        self.next_group = self.start_group + (self.engine_id - self.start_group) % engines
+        self.skip = set(cfg.get("skip_groups", ()))  # groups after it already consumed or rejected (resume)
+        self.rejected = 0  # groups the trainer's pool rejected since this generator started (may_admit)
+        self.admitting = True  # drain turns this off while it finishes old answers
+        self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
+                          recomputed_tokens=0, loads=0, preempted=0)
+        self.stats.update(cfg.get("start_stats") or {})  # resume: the run's counters at its checkpoint
+        # requests in the engine at once (training + eval): at most what its KV cache holds
+        self.kv_answers = min(cfg["max_num_seqs"], kv_capacity(engine, cfg["max_model_len"])[0])
+        watch_preemptions(engine, self.preempted)
+        self.activity = None
+        self.steps = 0  # engine steps so far: a token's step number tells runs of steps apart
+        self.eval_out = {}  # eval request id -> dict(prompt=its length, ids=tokens so far, reason=None until done)
+
+    def set_activity(self, what):
+        """Timeline entry (events.jsonl) when what the generator does changes."""
+        if what != self.activity:
+            self.activity = what
+            self.outbox.append(("event", dict(t=self.clock.now(), proc=self.proc, engine=self.engine_id, what=what,
+                                              version=self.version)))
+
+    def preempted(self, request_id):
+        """vLLM preempted a request (see kv_capacity: it should never happen): its KV will
+        be rebuilt from scratch under the weights loaded when it is rescheduled, so the
+        next token's forward pass reads no older KV. Counted in metrics."""
+        self.stats["preempted"] += 1
+        if request_id in self.inflight:
+            self.inflight[request_id].kv_version = None  # Rollout.record sets it at the rebuild
+
+    def mark(self, kind, t0, t1, **more):
+        """A moment on the timeline (events.jsonl) that is not an activity: a weight
+        load from receive to loaded ("load", version = the new one), an evaluation ("eval")."""
+        self.outbox.append(("event", dict(t=t1, proc=self.proc, engine=self.engine_id, mark=kind, t0=t0, t1=t1,
+                                          version=self.version, **more)))
+
+    # -- what regimes call
+
+    def submit(self, r):
+        """(Re)start a request: prompt + whatever was generated so far is prefilled."""
+        r.attempt += 1
+        prompt = dict(prompt_token_ids=r.prompt_ids + r.tokens)
+        self.engine.add_request(r.request_id, prompt, self.params(r.max_tokens - len(r.tokens)))
+        self.inflight[r.request_id] = r
+
+    def abort_all(self):
+        """Take every answer out of the engine (its KV is freed); returns them."""
+        self.engine.abort_request(list(self.inflight))
+        rollouts, self.inflight = list(self.inflight.values()), {}
+        return rollouts
+
+    def load_weights(self, version, weights):
+        """Load new weights in place, between two engine steps (receive: a state dict
+        loaded in this process, or a broadcast received in the generator process)."""
+        self.set_activity("loading")
+        t0 = self.clock.now()
+        self.receive(self.engine, version, weights)
+        self.clock.spend("load")
+        t1 = self.clock.now()
+        self.version = version
+        self.stats["loads"] += 1
+        self.stats["load_s"] = self.stats.get("load_s", 0.0) + t1 - t0
+        self.mark("load", t0, t1)
+
+    # -- the loop's parts
+
+    def may_admit(self):
+        """AReaL's staleness bound: at most (version + max_lag + 1) batches admitted,
+        not counting the groups the trainer's pool has rejected (--pool pace). The
+        trainer takes groups in admission order (pace.Pool), so nothing admitted now is
+        consumed more than max_lag versions after the weights that started it: this
+        bounds the *generation* staleness of what is trained. A rejected group leaves
+        its place to a new one, so a generator faster than the trainer keeps the pool
+        above PACE's target and PACE keeps rejecting the stalest (its *waiting*
+        staleness), as its abstract describes. (Counting rejected groups as admitted
+        let PACE reject once and never again: after one burst the pool could not
+        exceed its target.) Also bounded: finished answers not yet handed over, and the
+        KV cache (kv_capacity)."""
+        versions = self.version - self.start_version + self.cfg["max_lag"] + 1
+        budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
+        handed_over = len(self.outbox) < self.cfg.get("queue_size", float("inf"))  # lesson.py empties it every turn
+        return (self.admitting and self.next_group < budget and handed_over
+                and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers)
+
+    def admit(self):
+        while self.may_admit():
+            g = self.next_group
+            self.next_group += self.cfg.get("engines", 1)
+            if g in self.skip:  # consumed or rejected before the run was resumed
+                continue
+            pid = g % len(self.prompts)  # the problem list is already shuffled
+            for i in range(self.cfg["group_size"]):
+                self.submit(Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"],
+                                    self.clock.now()))
+
+    def step(self):
+        """One engine step; finished answers go to the outbox."""
+        t0 = self.clock.now()
+        outputs = self.engine.step()
+        # the KV this step wrote in one go (a request's first output comes from its prefill):
+        # the simulated clock charges for it; on the wall clock the step has taken its time
+        prefilled = 0
+        for out in outputs:
+            if (r := self.inflight.get(out.request_id)) is not None:
+                prefilled += r.prefill_tokens()
+            elif (ev := self.eval_out.get(out.request_id)) is not None and not ev["ids"]:
+                prefilled += ev["prompt"]
+        self.clock.spend("step", prefilled)
+        t1, self.steps = self.clock.now(), self.steps + 1
+        inflight, version, step = self.inflight, self.version, self.steps  # locals: this loop runs per answer per step
+        tokens = rebuilt = 0
+        for out in outputs:
+            c = out.outputs[0]
+            if (ev := self.eval_out.get(out.request_id)) is not None:
+                ev["ids"] += c.token_ids
+                ev["reason"] = c.finish_reason if out.finished else None
+                continue
+            r = inflight.get(out.request_id)
+            if r is None:  # output of a request aborted this step
+                continue
+            ids = c.token_ids
+            rebuilt += r.record(ids, [d[t].logprob for t, d in zip(ids, c.logprobs)], version, step, t0, t1)
+            tokens += len(ids)
+            if out.finished:
+                del inflight[out.request_id]
+                sample = r.to_sample(c.finish_reason, t1)
+                sample["answer"], sample["engine"] = self.answers[r.prompt_id], self.engine_id
+                self.outbox.append(("sample", sample))
+        self.stats["gen_tokens"] += tokens
+        self.stats["recomputed_tokens"] += rebuilt
+        self.stats["gen_busy_s"] += t1 - t0
+
+    def evaluate(self, prompts, max_tokens):
+        """Greedy answers under the weights loaded now, as (token ids, finish reason)
+        ("stop" or "length": cut at max_tokens). Training answers in flight share these
+        steps; no weights load until the evaluation is done, so their bookkeeping is
+        unaffected."""
+        from tqdm import tqdm
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        self.set_activity("evaluating")
+        t0 = self.clock.now()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        ids = [f"eval{self.version}-{i}" for i in range(len(prompts))]
+        todo, self.eval_out = list(zip(ids, prompts)), {}
+        running = lambda: sum(ev["reason"] is None for ev in self.eval_out.values())
+        with tqdm(total=len(ids), desc=f"eval v{self.version}", leave=False) as bar:
+            while todo or running():
+                # add eval requests only while the KV cache has room for them (kv_capacity)
+                room = max(0, self.kv_answers - len(self.inflight) - running())
+                for rid, p in todo[:room]:
+                    self.eval_out[rid] = dict(prompt=len(p), ids=[], reason=None)
+                    self.engine.add_request(rid, dict(prompt_token_ids=p), params)
+                todo = todo[room:]
+                self.step()
+                bar.update(len(self.eval_out) - running() - bar.n)
+        results, self.eval_out = [(self.eval_out[i]["ids"], self.eval_out[i]["reason"]) for i in ids], {}
+        self.mark("eval", t0, self.clock.now(), n=len(ids))
+        return results

@@ -1,0 +1,126 @@
+"""
+The run directory, out/<run>/, as both trainers write it (lesson.py on its simulated
+clock, train.py on the wall clock), and the wasted-work ledger read back from it.
+Every figure is drawn from these files (plot.py); rundir.py keeps them across a crash.
+
+    config.json     the run's settings, every flag resolved
+    metrics.jsonl   one line per optimizer step (and the evaluation at step 0)
+    events.jsonl    the timeline: what each process was doing when (an activity, or a mark: a weight load, an eval)
+    answers.jsonl   one line per answer a step consumed or the pool rejected: its provenance
+    ledger.json     where the generated tokens and each process's time went (write_ledger)
+    ckpt/           train.py: the last checkpoint, Hugging Face format (rundir.py)
+
+metrics.jsonl, the keys both trainers write: step, wall_s (seconds since the start;
+simulated in lesson.py), version (the weights the step trains), reward_mean, loss,
+grad_norm, behaviour_gap (mean |log pi - log mu| over the loss's tokens),
+trained_tokens, answer_len, stale_token_frac (trained tokens sampled while reading KV
+that older weights wrote / trained tokens), lag_mean and lag_max (over trained tokens,
+step version - the version that sampled the token), spanning_frac (trained answers whose
+tokens come from more than one version), loss_tokens, loss_stale_token_frac,
+loss_lag_mean (the same over the tokens the loss saw: answers whose advantage is not
+0), truncated_frac, boxed_frac, gen_tok_per_s, gen_idle_s, discarded_tokens,
+recomputed_tokens, preempted, sync_s (the push, from the end of the optimizer step to
+weights loaded), trainer_wait_s (waiting for the step's groups), PACE's
+rejected_groups, rejected_tokens, pool_size, gen_staleness_mean, wait_staleness_mean;
+and eval_acc, eval_truncated_frac, eval_version on evaluation steps. train.py adds
+cpu_s, stall_bound_s and, on a GPU, train_peak_gib (machine facts the simulation has no
+use for).
+"""
+
+import json
+import os
+import time
+
+
+class RunLog:
+    """metrics.jsonl, events.jsonl and answers.jsonl, appended and flushed line by
+    line, so a crash loses nothing already logged."""
+
+    def __init__(self, out, tensorboard=False, clock=time.time):
+        # --tensorboard: the same numbers for TensorBoard (metrics.jsonl stays the record)
+        self.tracker = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tracker = SummaryWriter(os.path.join(out, "tensorboard"))
+        self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")
+        self.events = open(os.path.join(out, "events.jsonl"), "a")
+        self.answers_f = open(os.path.join(out, "answers.jsonl"), "a")
+        self.activity = None
+        self.clock = clock  # the time of a trainer activity or a step's answers: real, or lesson.py's simulated
+
+    def event(self, e):
+        self.events.write(json.dumps(e) + "\n")
+        self.events.flush()
+
+    def trainer(self, what, t=None):
+        """The trainer's activity (events.jsonl), when it changes (at time t: now by default)."""
+        if what != self.activity:
+            self.activity = what
+            self.event(dict(t=self.clock() if t is None else t, proc="trainer", what=what))
+
+    def metric(self, m):
+        self.metrics.write(json.dumps(m) + "\n")
+        self.metrics.flush()
+        if self.tracker:
+            for k, v in m.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tracker.add_scalar(k, v, m["step"])
+            self.tracker.flush()
+
+    def answers(self, consumed, rejected, step, t=None):
+        """answers.jsonl: one line per answer the pool let go of, with its provenance
+        (engine.Rollout) and its fate: consumed by this step (at time t: now by
+        default) or rejected (PACE)."""
+        t = self.clock() if t is None else t
+        lines = [json.dumps(dict(sample_id=s["sample_id"], group_id=s["group_id"], prompt_id=s["prompt_id"],
+                                 engine=s["engine"], tokens=len(s["token_ids"]), fate=fate, step=step, t=t,
+                                 **s["provenance"]))
+                 for groups, fate in ((consumed, "consumed"), (rejected, "rejected")) for g in groups for s in g]
+        self.answers_f.write("".join(line + "\n" for line in lines))
+        self.answers_f.flush()
+
+
+def step_line(m):
+    """The log line of a step (metrics.jsonl has the same numbers, and more)."""
+    return (f"step {m['step']} | v{m['version']} | reward {m['reward_mean']:.3f}"
+            + (f" | eval v{m['eval_version']} {m['eval_acc']:.3f}" if "eval_acc" in m else "")
+            + f" | stale {100 * m['stale_token_frac']:.1f}% | lag {m['lag_mean']:.2f}"
+            + f" | {m['gen_tok_per_s']:.0f} tok/s | sync {m['sync_s']:.2f}s | idle {m['gen_idle_s']:.2f}s"
+            + f" | wait {m['trainer_wait_s']:.2f}s")
+
+
+def write_ledger(cfg, gen_stats):
+    """The wasted-work ledger of the run (every session of it, when it was resumed):
+    where the generated tokens went, and each process's wall-clock by activity
+    (events.jsonl), as shares of the time after start-up. generated = trained +
+    discarded + rejected + left over (in the pool or in flight at the end, or lost
+    when a run died after its checkpoint); recomputed tokens were prefilled again, not
+    generated. gen_stats: the generator's counters, which a resumed run continues."""
+    from plot import activity_spans, read_jsonl
+    steps = [m for m in read_jsonl(os.path.join(cfg["out"], "metrics.jsonl")) if "trained_tokens" in m]
+    tok = dict(generated=gen_stats.get("gen_tokens", 0), trained=sum(m["trained_tokens"] for m in steps),
+               discarded=gen_stats.get("discarded_tokens", 0),
+               rejected=sum(m.get("rejected_tokens", 0) for m in steps))
+    tok["left_over"] = tok["generated"] - tok["trained"] - tok["discarded"] - tok["rejected"]
+    tok["recomputed"] = gen_stats.get("recomputed_tokens", 0)
+    secs, startup, total = {}, 0.0, 0.0
+    for proc, what, t0, t1 in activity_spans(read_jsonl(os.path.join(cfg["out"], "events.jsonl"))):
+        if what == "starting" and proc == "trainer":  # the engine's start dominates short CPU runs
+            startup += t1 - t0
+        elif what not in ("starting", "done", "stopped"):  # stopped: between a crash and --resume
+            secs.setdefault(proc, {}).setdefault(what, 0.0)
+            secs[proc][what] += t1 - t0
+            total += (t1 - t0) * (proc == "trainer")  # the trainer's activities tile the run
+    led = dict(tokens=tok, seconds=secs, total_s=total, startup_s=startup)
+    with open(os.path.join(cfg["out"], "ledger.json"), "w") as f:
+        json.dump(led, f, indent=1)
+    g = max(1, tok["generated"])
+    print(f"wasted-work ledger ({cfg['out']}/ledger.json): {tok['generated']:,} tokens generated = "
+          + " + ".join(f"{tok[k]:,} {k.replace('_', ' ')} ({100 * tok[k] / g:.1f}%)"
+                       for k in ("trained", "discarded", "rejected", "left_over"))
+          + f"; {tok['recomputed']:,} prefilled again (recompute)")
+    for proc, d in secs.items():
+        shares = sorted(d.items(), key=lambda x: -x[1])
+        print(f"  {proc:9s} {total:.0f} s after {startup:.0f} s of start-up: "
+              + ", ".join(f"{w} {100 * s / max(total, 1e-9):.0f}%" for w, s in shares))
+    return led

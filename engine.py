@@ -61,26 +61,35 @@ class Rollout:
         """Tokens of engine step `step` (which ran from t0 to t1) under `version`. Returns
         the tokens whose KV this step rebuilt (recompute), 0 if it rebuilt none."""
         rebuilt = 0
-        if self.kv_version is None:  # this step was the (unchunked) prefill
+        if self.kv_version is None:  # this step was the (unchunked) prefill: `version` wrote all the KV
             self.kv_version = version
-            kind = "recompute" if self.tokens else "prompt"
-            self.prefills.append([t0, t1, version, len(self.prompt_ids) + len(self.tokens), kind])
-            if self.tokens:  # counted when the prefill runs: an answer re-submitted twice before it ran, once
+            if self.tokens:  # prompt + partial answer prefilled again (counted when it runs, so once)
                 rebuilt = len(self.prompt_ids) + len(self.tokens)
                 self.recomputed += rebuilt
-        # the stale flag: this token was sampled by `version` attending to KV that older weights wrote
+            self.note_prefill(t0, t1, version)
+        # the stale flag: these tokens were sampled by `version` attending to KV that older weights wrote
         stale, n = self.kv_version < version, len(token_ids)
         self.tokens += token_ids
         self.logprobs += logprobs
         self.versions += [version] * n
         self.stale += [stale] * n
+        self.note_tokens(n, version, stale, step, t0, t1)
+        return rebuilt
+
+    def note_prefill(self, t0, t1, version):
+        """Provenance (answers.jsonl): a step that wrote the KV of a prefix, the prompt's or a rebuild's."""
+        kind = "recompute" if self.tokens else "prompt"
+        self.prefills.append([t0, t1, version, len(self.prompt_ids) + len(self.tokens), kind])
+
+    def note_tokens(self, n, version, stale, step, t0, t1):
+        """Provenance: n tokens of engine step `step`, run-length encoded: the segment goes on while
+        consecutive steps write tokens of the same version and staleness (a few compares per token)."""
         seg = self.segments[-1] if self.segments else None
         if seg and self.last_step == step - 1 and seg[2] == version and seg[4] == stale:
-            seg[1], seg[3] = t1, seg[3] + len(token_ids)  # the run goes on: a few compares per token
+            seg[1], seg[3] = t1, seg[3] + n
         else:
-            self.segments.append([t0, t1, version, len(token_ids), stale])
+            self.segments.append([t0, t1, version, n, stale])
         self.last_step = step
-        return rebuilt
 
     def to_sample(self, finish_reason, now):
         """The finished answer, as the trainer gets it: numpy arrays, which pickle through
@@ -128,7 +137,7 @@ def make_engine(cfg, worker_extension=None):
     worker_extension: a class path vLLM mixes into its worker (generator.WeightReceiver
     receives pushed weights there); None for an engine that loads them in this process."""
     from vllm import EngineArgs, LLMEngine
-    on_gpu = cfg["gen_device"].startswith("cuda")
+    on_gpu = cfg.get("engine_device", "cpu").startswith("cuda")  # this engine's (devices.resolve_devices)
     max_len = cfg["max_model_len"]
     args = EngineArgs(
         model=cfg["model_path"], tokenizer=cfg["model_path"], seed=cfg["seed"],
@@ -148,7 +157,7 @@ def make_engine(cfg, worker_extension=None):
         # from (after temperature), which is the behaviour policy the trainer needs
         logprobs_mode="processed_logprobs",
         worker_extension_cls=worker_extension or "",
-        gpu_memory_utilization=cfg.get("gpu_memory_utilization") or 0.9,  # vLLM's default; unused on CPU
+        gpu_memory_utilization=cfg.get("gen_memory_utilization") or 0.9,  # devices.resolve_devices'; unused on CPU
         num_gpu_blocks_override=cfg.get("kv_blocks_override"),  # tests: a small KV cache
         enforce_eager=not on_gpu,
         disable_log_stats=True,
@@ -240,12 +249,12 @@ class Generator:
         self.steps = 0  # engine steps so far: a token's step number tells runs of steps apart
         self.eval_out = {}  # eval request id -> dict(prompt=its length, ids=tokens so far, reason=None until done)
 
-    def set_activity(self, what):
-        """Timeline entry (events.jsonl) when what the generator does changes."""
+    def set_activity(self, what, t=None):
+        """Timeline entry (events.jsonl) when what the generator does changes (at t: now by default)."""
         if what != self.activity:
             self.activity = what
-            self.outbox.append(("event", dict(t=self.clock.now(), proc=self.proc, engine=self.engine_id, what=what,
-                                              version=self.version)))
+            self.outbox.append(("event", dict(t=self.clock.now() if t is None else t, proc=self.proc,
+                                              engine=self.engine_id, what=what, version=self.version)))
 
     def preempted(self, request_id):
         """vLLM preempted a request (see kv_capacity: it should never happen): its KV will
@@ -279,9 +288,13 @@ class Generator:
     def load_weights(self, version, weights):
         """Load new weights in place, between two engine steps (receive: a state dict
         loaded in this process, or a broadcast received in the generator process)."""
-        self.set_activity("loading")
         t0 = self.clock.now()
-        self.receive(self.engine, version, weights)
+        joined = self.receive(self.engine, version, weights)  # several engines: when the last one joined the push
+        if joined is not None and joined > t0:  # until then this engine waited for the others to drain
+            self.set_activity("idle", t0)
+            self.stats["gen_idle_s"] += joined - t0
+            t0 = joined
+        self.set_activity("loading", t0)
         self.clock.spend("load")
         t1 = self.clock.now()
         self.version = version

@@ -47,9 +47,11 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
 
 
 def send_weights(group, tensors, device):
-    """Broadcast every tensor from rank 0, then wait for the workers' answer: the
-    sum of the versions they are loading, sent once every tensor has arrived."""
+    """Once every engine has joined the push (an allreduce: it completes when the last
+    one arrives), broadcast every tensor from rank 0, then wait for the workers'
+    answer: the sum of the versions they are loading, sent once every tensor has arrived."""
     import torch
+    group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # WeightReceiver: "all here"
     for t in tensors:
         group.broadcast(t.to(device).contiguous(), root=0).wait()
     ack = torch.zeros((), dtype=torch.int64, device=device)
@@ -68,8 +70,9 @@ def buffer_device(backend, worker_device):
 
 def receive_broadcast(engine, version, specs):
     """Generator.receive in the generator process: the trainer broadcasts the weights
-    (`specs` says which tensors, in order); the worker receives and loads them."""
-    engine.collective_rpc("receive_weights", args=(version, specs))
+    (`specs` says which tensors, in order); the worker receives and loads them. Returns,
+    with several engines, when the last one joined the push (None with one)."""
+    return engine.collective_rpc("receive_weights", args=(version, specs))[0]
 
 
 class WeightReceiver:
@@ -81,25 +84,33 @@ class WeightReceiver:
         self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
 
     def receive_weights(self, version, specs):
+        """Join the push, then receive each tensor when vLLM's loader asks for the next
+        one, into a buffer of its own, and load it. No engine step runs before this
+        returns, so nothing samples from a half-loaded model. Returns, with several
+        engines, the time every engine had joined (before that, this one was waiting
+        for the others to finish draining: idle, not loading); None with one."""
         import torch
         device = buffer_device(self.weight_backend, self.device)
-        # receive everything first, acknowledge, then load: the trainer is released
-        # once the bytes arrive instead of waiting, tensor by tensor, for vLLM's
-        # reload (which repacks weights: most of its cost on CPU). No engine step
-        # runs before this call returns, so nothing samples from a half-loaded
-        # model. Costs one extra copy of the weights, kept from push to push: fresh
-        # buffers each time cost a page fault per 4 KiB page they receive.
-        if getattr(self, "weight_buffers", (None,))[0] != specs:
-            self.weight_buffers = (specs, [(name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
-                                           for name, dtype, shape in specs])
-        received = self.weight_buffers[1]
-        for _, t in received:
-            self.weight_group.broadcast(t, root=0).wait()
-        self.weight_group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)).wait()
+        self.weight_group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # all engines here
+        joined = time.time() if self.weight_group.size() > 2 else None
+
+        def received():
+            # The engine's memory holds no second copy of the model: vLLM's layerwise reload
+            # keeps a received tensor only until its module (q+k+v, gate+up, an embedding) is
+            # complete, then copies it in place and lets it go (vllm/model_executor/model_loader/
+            # reload/layerwise.py). So each tensor gets a fresh buffer (a reused one would be
+            # overwritten while vLLM still holds it) and at most about a module is held at once
+            # (preflight.engine_plan). The ack goes after the last tensor has arrived.
+            for name, dtype, shape in specs:
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                self.weight_group.broadcast(t, root=0).wait()
+                yield name, t
+            self.weight_group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)).wait()
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
-        self.reload_weights(weights_iterator=iter(received))
+        self.reload_weights(weights_iterator=received())
+        return joined
 
 # -----------------------------------------------------------------------------
 # the process
@@ -120,7 +131,7 @@ def stack_file(cfg):
     return os.path.join(cfg["out"], f"{lane(cfg)}-stack.txt")
 
 
-def generator_main(cfg, samples_q, control_q):
+def generator_main(cfg, samples_q, control_q, joined):
     """Entry point of the spawned generator process. Its device was chosen by the
     spawner's environment (CUDA_VISIBLE_DEVICES / INFLIGHT_GEN_CORES), which the
     process read before importing torch or vLLM."""
@@ -144,7 +155,7 @@ def generator_main(cfg, samples_q, control_q):
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())
     try:
-        run_generator(cfg, samples_q, control_q, trainer=os.getppid())
+        run_generator(cfg, samples_q, control_q, joined, trainer=os.getppid())
     except KeyboardInterrupt:  # Ctrl-C reaches both processes; the trainer reports it
         samples_q.cancel_join_thread()  # exit now: the trainer may have stopped reading
     except BaseException:
@@ -168,7 +179,7 @@ def flush(q, timeout):
         q.cancel_join_thread()
 
 
-def run_generator(cfg, samples_q, control_q, trainer):
+def run_generator(cfg, samples_q, control_q, joined, trainer):
     import collections
     import random
     import torch
@@ -184,7 +195,14 @@ def run_generator(cfg, samples_q, control_q, trainer):
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     engine = make_engine(cfg, worker_extension="generator.WeightReceiver")
     outbox = []
-    gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive_broadcast)
+
+    def receive(engine, version, specs):
+        """Generator.receive: say that this engine joins the push of `version` (the trainer's
+        watchdog then knows which engines never came), then take the broadcast."""
+        stall_test_hook("push", version, cfg.get("engine", 0))
+        joined.value = version
+        return receive_broadcast(engine, version, specs)
+    gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive)
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
     samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,
                                         admit_at_once=gen.kv_answers)))
@@ -226,7 +244,7 @@ def run_generator(cfg, samples_q, control_q, trainer):
             gen.set_activity("idle")
         else:
             gen.set_activity("draining" if not gen.admitting else "generating")
-            stall_test_hook(steps := steps + 1)
+            stall_test_hook("step", steps := steps + 1, gen.engine_id)
             t0 = time.time()
             gen.step()
             # the slowest of the last 256 steps sets the trainer's stall bound (GeneratorHandle.stall_bound):
@@ -247,11 +265,14 @@ def run_generator(cfg, samples_q, control_q, trainer):
             last_put = time.time()
 
 
-def stall_test_hook(step):
+def stall_test_hook(kind, n, engine):
     """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_STALL_AT_STEP=N in the
-    environment, the generator hangs forever before its N-th engine step, alive and
-    silent, as a stuck engine or a deadlocked worker would."""
-    if step == int(os.environ.get("INFLIGHT_TEST_STALL_AT_STEP", 0)):
+    environment the generator hangs forever before its N-th engine step, with
+    INFLIGHT_TEST_STALL_AT_PUSH=V before it joins the push of version V, alive and
+    silent, as a stuck engine or a deadlocked worker would; with
+    INFLIGHT_TEST_STALL_ENGINE=i, only engine i does."""
+    if n == int(os.environ.get(f"INFLIGHT_TEST_STALL_AT_{kind.upper()}", 0)) \
+            and os.environ.get("INFLIGHT_TEST_STALL_ENGINE", str(engine)) == str(engine):
         while True:
             time.sleep(3600)
 
@@ -305,15 +326,17 @@ class GeneratorHandle:
         ctx = mp.get_context("spawn")  # vLLM and CUDA do not survive fork
         self.samples_q = ctx.Queue(maxsize=cfg["queue_size"])  # bounded: back-pressure; one for all engines
         self.control_qs = [ctx.Queue() for _ in envs]
+        self.joined = [ctx.Value("i", cfg["start_version"], lock=False) for _ in envs]  # the last push each joined
         self.procs = [spawn_with_env(ctx, {**dict.fromkeys(TORCHRUN_ENV), **env}, generator_main,
-                                     (dict(cfg, engine=i, start_stats=cfg.get("start_stats") if i == 0 else None),
-                                      self.samples_q, self.control_qs[i]),
+                                     (dict(cfg, engine=i, engine_device=cfg["gen_devices"][i],
+                                           start_stats=cfg.get("start_stats") if i == 0 else None),
+                                      self.samples_q, self.control_qs[i], self.joined[i]),
                                      daemon=True, name=f"inflight-generator{i}")
                       for i, env in enumerate(envs)]
         self.cfg, self.version = cfg, cfg["start_version"]
         self.stats = dict(cfg.get("start_stats") or {})  # the generators' counters (summed), as samples carry them
         self.engine_stats = [dict(self.stats) if i == 0 else {} for i in range(self.n)]
-        self.transfer_device = cfg["train_device"] if cfg["sync_backend"] == "nccl" else "cpu"
+        self.transfer_device = cfg["trainer_device"] if cfg["sync_backend"] == "nccl" else "cpu"
         self.last_seen = [time.time()] * self.n  # when each engine last sent anything (stall watchdog)
         self.last_msg, self.last_event = [(time.time(), "nothing yet")] * self.n, [None] * self.n
         self.stall_report = None
@@ -395,7 +418,7 @@ class GeneratorHandle:
                 self.died(next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0),
                           f" ({type(e).__name__} reading its queue)")
             if kind == "error":
-                raise GeneratorDied(f"{self.name(item[0])} process failed:\n" + item[1])
+                self.died(item[0], "", {item[0]: item[1]})
             i = item if kind == "alive" else item.get("engine", 0)
             self.last_seen[i] = time.time()
             if kind == "alive":
@@ -411,9 +434,13 @@ class GeneratorHandle:
                 self.stats["max_step_s"] = max(s.get("max_step_s", 0.0) for s in self.engine_stats)
             return kind, item
 
-    def died(self, i, how):
-        """Raise GeneratorDied with the engine's own traceback when it sent one."""
+    def died(self, i, how, errors=None):
+        """Raise GeneratorDied for engine i, with the engine's own traceback when it sent one.
+        With several engines, one engine's death breaks the others' weight group ("Connection
+        closed by peer"), and they report that: an engine that died without a word (killed)
+        is named as the cause before any engine that failed with a traceback."""
         self.procs[i].join(timeout=5)
+        errors = dict(errors or {})
         while True:
             try:
                 kind, item = self.samples_q.get(timeout=0.5)
@@ -422,8 +449,15 @@ class GeneratorHandle:
             except (EOFError, OSError):
                 continue
             if kind == "error":
-                raise GeneratorDied(f"{self.name(item[0])} process failed:\n" + item[1])
-        raise GeneratorDied(f"{self.name(i)} process died{how} (exit code {self.procs[i].exitcode})")
+                errors.setdefault(item[0], item[1])
+        silent = [j for j, p in enumerate(self.procs) if not p.is_alive() and j not in errors]
+        if silent or not errors:
+            j = i if i in silent or not silent else silent[0]
+            then = f"; then {', '.join(self.name(k) for k in sorted(errors))} failed" if errors else ""
+            raise GeneratorDied(f"{self.name(j)} process died{how if j == i else ''} "
+                                f"(exit code {self.procs[j].exitcode}){then}")
+        k = i if i in errors else min(errors)
+        raise GeneratorDied(f"{self.name(k)} process failed:\n" + errors[k])
 
     def stalled(self, silent_s, engines):
         """Engines alive but silent for `silent_s` seconds: stop them and raise
@@ -455,16 +489,24 @@ class GeneratorHandle:
         self.stall_report = "\n".join(reports)
         return self.stall_report
 
+    def push_stalled(self, silent_s):
+        """The push watchdog: the engines that have not joined this push (they never reached
+        the load: stuck, or still draining a stuck answer) are stopped, and named; if every
+        engine joined, the push itself is stuck, and all are."""
+        late = [i for i in range(self.n) if self.joined[i].value < self.version]
+        self.stop_stalled(silent_s, "not taking new weights", late or None)
+
     def push(self, specs, tensors=None, rejected=0):
         """Broadcast new weights to every engine: `specs` (weight_specs) first, then the
         tensors, in that order (or a state dict alone, both at once), and how many
-        groups the trainer's pool has rejected (they no longer count as admitted); returns once every engine has received them (each loads
-        them before its next engine step). Blocks while a regime makes its engine wait
-        (drain: until its answers in flight finish: the broadcast is collective, so every
-        engine waits for the one with the longest tail) -- that wait is part of the sync
-        time the trainer reports. A push not acknowledged within stall_bound() seconds
-        means a stuck engine: a watchdog thread stops them, which breaks the broadcast,
-        and the stall report is raised."""
+        groups the trainer's pool has rejected (they no longer count as admitted); returns
+        once every engine has received them (each loads them before its next engine step).
+        Blocks while a regime makes its engine wait (drain: until its answers in flight
+        finish: the push starts when every engine has joined it, so each waits for the one
+        with the longest tail, idle) -- that wait is part of the sync time the trainer
+        reports. A push not acknowledged within stall_bound() seconds means a stuck engine:
+        a watchdog thread stops the engines that never joined it (push_stalled), which
+        breaks the broadcast, and the stall report, naming them, is raised."""
         import threading
         if tensors is None:
             specs, tensors = weight_specs(specs), specs.values()
@@ -472,7 +514,7 @@ class GeneratorHandle:
         self.version += 1
         for q in self.control_qs:
             q.put(("weights", self.version, specs, rejected))
-        watchdog = threading.Timer(timeout, self.stop_stalled, (timeout, "not taking new weights"))
+        watchdog = threading.Timer(timeout, self.push_stalled, (timeout,))
         watchdog.daemon = True
         watchdog.start()
         try:

@@ -125,6 +125,25 @@ def answer_logprobs(model, samples, temperature, device):
                                  use_reentrant=False) for a in range(0, len(h), chunk)])
 
 
+def activation_checkpointing(model):
+    """Keep only each decoder layer's input in the forward and recompute the layer in
+    backward: long answers on a 0.6B model fit a 24 GB card (preflight.memory_plan).
+    Non-reentrant, the form torch recommends and FSDP2 works with (Hugging Face's default,
+    reentrant, runs the recomputation outside autograd, where FSDP2's hooks that gather
+    each layer's weights do not see it)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def run_tokens(cfg, batch, adv):
+    """The tokens a step runs through the model (train_step): each micro-batch's answers
+    times its longest prompt + answer, over the answers whose advantage is not 0. What the
+    step's compute grows with (padding and prompts included), unlike the answer tokens it
+    consumed; lesson.py's clock charges a step by it."""
+    length = lambda s: len(s["prompt_ids"]) + len(s["token_ids"])
+    run = [s for s, a in zip(batch, adv.tolist()) if a != 0]
+    return sum(len(mb) * max(length(run[i]) for i in mb) for mb in micro_batches(run, cfg["micro_batch_tokens"]))
+
+
 def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
     """Forward and backward of the whole batch, micro-batch by micro-batch
     (--micro-batch-tokens), gradients accumulating in .grad. Every token of answer i
@@ -229,8 +248,9 @@ def optimizer_step(model, opt, loss):
 
 def batch_metrics(batch, adv, version):
     """Where the trained tokens came from: stale KV, how many versions old, answers
-    spanning versions, over every token the step consumed (trained_tokens); and the same over the tokens the loss saw (loss_*: answers whose
-    advantage is not 0). `version`: the weights this step trains."""
+    spanning versions, over every token the step consumed (trained_tokens); and the same
+    over the tokens the loss saw (loss_*: answers whose advantage is not 0). `version`:
+    the weights this step trains."""
     import torch
     versions = torch.cat([s["versions"] for s in batch])
     stale = torch.cat([s["stale"] for s in batch])

@@ -138,7 +138,7 @@ class Pool:
         if not all(g in self.complete for g in ids):
             return None
         if self.cfg["pool"] == "pace":  # the excess over the target goes, stalest first; then look again
-            target = self.cfg["pace_target"] or default_target(n)
+            target = default_target(n) if self.cfg["pace_target"] is None else self.cfg["pace_target"]
             rejected = reject_stalest(self.complete, n, version, self.cfg["pace_lambda"], target)
             self.mark_done(grp[0]["group_id"] for grp in rejected)
             self.rejected += rejected

@@ -50,6 +50,9 @@ def check_config(cfg, presets):
     if not cfg["temperature"] > 0:
         raise UsageError(f"--temperature must be > 0: the loss divides the logits by it (greedy decoding has no "
                          f"sampling distribution to weight), got {cfg['temperature']}")
+    if cfg["pace_target"] is not None and cfg["pace_target"] < 1:
+        raise UsageError(f"--pace-target must be >= 1 groups left in the pool (unset: 1.5 steps' worth), "
+                         f"got {cfg['pace_target']}")
     if not 0 <= cfg["format_reward"] <= 1:
         raise UsageError(f"--format-reward must be in [0, 1] (a right answer earns 1), got {cfg['format_reward']}")
     if cfg["max_num_seqs"] is not None and cfg["max_num_seqs"] < cfg["group_size"]:
@@ -131,7 +134,7 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     (two moments) bytes per parameter, divided among the `world` ranks under FSDP2,
     which gathers a layer's float32 weights at a time (two: the next is prefetched);
     the push sends one tensor at a time, in bf16 on a GPU. Activations, per
-    token of the largest micro-batch, with gradient checkpointing (on for CUDA) and SDPA
+    token of the largest micro-batch, with or without activation checkpointing, and SDPA
     attention: each layer keeps its float32 input; the layer being recomputed holds
     its bf16 intermediates and their gradients. Logits: a float32 chunk
     (grpo.LOGIT_CHUNK_BYTES) and ~4 more of its size (scaled logits, exp in logsumexp,
@@ -147,10 +150,11 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     layer = 4 * H + 2 * q + 2 * kv + 4 * I  # one layer's intermediates per token (elements)
-    on_gpu = cfg["train_device"].startswith("cuda")
-    # checkpointed (CUDA): float32 layer inputs + one layer's bf16 intermediates and gradients;
-    # CPU (no checkpointing): every layer's float32 intermediates
-    per_token = 4 * H * L + 2 * 2 * layer if on_gpu else 4 * layer * L
+    on_gpu = cfg["trainer_device"].startswith("cuda")
+    b = 2 if on_gpu else 4  # bytes of an intermediate: bf16 under autocast on a GPU, float32 on CPU
+    # checkpointed (train.py --grad-checkpointing; auto: on a GPU): float32 layer inputs + one layer's
+    # intermediates and their gradients; else every layer's intermediates
+    per_token = 4 * H * L + 2 * b * layer if cfg.get("checkpointing", on_gpu) else b * layer * L
     plan = {"weights + grads (fp32)": 8 * n_params // world, "AdamW moments (fp32)": 8 * n_params // world}
     if world > 1:
         plan["FSDP2 gathered layers (fp32)"] = 2 * 4 * layer_params
@@ -159,18 +163,43 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
             "logit chunks": 5 * min(logit_chunk_bytes, 4 * config.vocab_size * cfg["micro_batch_tokens"])}
 
 
+def engine_plan(config, dtype_bytes=2):
+    """A generator engine's memory outside vLLM's budget (--gpu-memory-utilization of its
+    GPU: weights, KV cache, activations), in bytes: a push. The engine's worker receives
+    each tensor into a buffer of its own, and vLLM's layerwise reload keeps a module's
+    tensors until the module is complete, then builds the layer and copies it in place
+    (generator.WeightReceiver): at most two of the largest module at once (its received
+    tensors and the layer built from them): the embedding (or lm_head), q+k+v (one fused
+    module in vLLM) or gate+up. (Before: a whole second copy of the model, kept.)"""
+    H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    qkv = H * head_dim * (config.num_attention_heads + 2 * config.num_key_value_heads)
+    return 2 * max(V * H, qkv, 2 * I * H) * dtype_bytes
+
+
 def check_memory_plan(cfg, logit_chunk_bytes, world=1):
-    """Print the trainer's memory plan (per rank); on a GPU, stop before loading anything when it cannot fit."""
+    """Print the trainer's memory plan (per rank) and the generator's (per engine); on a GPU,
+    stop before loading anything when either cannot fit."""
     import torch
     from transformers import AutoConfig
-    plan = memory_plan(cfg, AutoConfig.from_pretrained(cfg["model_path"]), logit_chunk_bytes, world)
-    total = sum(plan.values())
+    config = AutoConfig.from_pretrained(cfg["model_path"])
+    plan = memory_plan(cfg, config, logit_chunk_bytes, world)
+    need = sum(plan.values())
     print("trainer memory plan: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
-          + f" -> {total / 2**30:.1f} GiB", flush=True)
-    if cfg["train_device"].startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(cfg["train_device"])
-        if total > 0.9 * free:  # 10% for the CUDA context and the allocator's fragmentation
-            sys.exit(f"train.py: the trainer needs ~{total / 2**30:.1f} GiB and {cfg['train_device']} has "
+          + f" -> {need / 2**30:.1f} GiB", flush=True)
+    push = engine_plan(config, 2 if cfg["gen_devices"][0].startswith("cuda") else 4)
+    print(f"generator memory plan, per engine: vLLM's share of its GPU ({cfg['gen_memory_utilization']}) + a push's "
+          f"buffers outside it, {push / 2**30:.2f} GiB", flush=True)
+    for device in sorted({d for d in cfg["gen_devices"] if d.startswith("cuda")} - {cfg["trainer_device"]}):
+        left = (1 - cfg["gen_memory_utilization"]) * torch.cuda.get_device_properties(device).total_memory - 2**30
+        if push > left:  # 1 GiB kept for the CUDA context and NCCL's buffers
+            sys.exit(f"train.py: a weight push needs ~{push / 2**30:.1f} GiB on {device} outside vLLM's share, and "
+                     f"{max(0, left) / 2**30:.1f} GiB are left: lower --gpu-memory-utilization "
+                     f"(now {cfg['gen_memory_utilization']})")
+    if cfg["trainer_device"].startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(cfg["trainer_device"])
+        if need > 0.9 * free:  # 10% for the CUDA context and the allocator's fragmentation
+            sys.exit(f"train.py: the trainer needs ~{need / 2**30:.1f} GiB and {cfg['trainer_device']} has "
                      f"{free / 2**30:.1f} GiB free: lower --micro-batch-tokens (now {cfg['micro_batch_tokens']})")
 
 

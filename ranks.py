@@ -92,6 +92,16 @@ class Ranks:
                 m.set_force_sum_reduction_for_comms(True)  # factor alone would ask of NCCL)
         return model
 
+    def from_main(self, obj):
+        """Rank 0's `obj` on every rank: what each rank decided alone before the ranks met
+        (the default run directory names the second it was made in) becomes rank 0's."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+        out = [obj]
+        dist.broadcast_object_list(out, src=0, group=self.objects)
+        return out[0]
+
     def scatter(self, batch=None, adv=None, weights=None, count_micro_batches=None):
         """Rank 0: split the batch across the ranks, longest answers first to the rank
         with the fewest tokens so far. Every rank returns (its answers, their advantages,

@@ -29,10 +29,14 @@ LOGS = ("metrics.jsonl", "events.jsonl", "answers.jsonl")
 
 def resume_config(run, steps, defaults):
     """--resume RUN: the config saved in RUN wins; only --steps may change; flags added
-    to train.py since it was saved take their defaults."""
+    to train.py since it was saved take their defaults. The devices are the user's flags
+    as saved (devices.py resolves them again, on this machine, for this rank)."""
     if not os.path.isfile(os.path.join(run, "config.json")):
         raise UsageError(f"--resume {run}: not a run directory (no config.json)")
-    recover_checkpoint(run)
+    if int(os.environ.get("RANK", 0)) == 0:  # torchrun: rank 0 alone puts a checkpoint back; the others wait
+        recover_checkpoint(run)
+    else:
+        wait_for_checkpoint(run)
     with open(os.path.join(run, "config.json")) as f:
         cfg = {**defaults, **json.load(f)}
     done = load_trainer_state(run)["step"]
@@ -65,6 +69,12 @@ def save_checkpoint(cfg, model, tokenizer, opt, ranks, progress):
         tokenizer.save_pretrained(tmp)
     ranks.barrier()
     ranks.save_optimizer(model, opt, tmp)
+    ranks.barrier()
+    if ranks.is_main and ranks.world > 1:  # DCP names each rank's file __<rank>_<n>.distcp
+        shards = os.listdir(os.path.join(tmp, "optimizer"))
+        missing = [r for r in range(ranks.world) if not any(f.startswith(f"__{r}_") for f in shards)]
+        if missing:  # the ranks wrote to different directories: a checkpoint that would not resume
+            raise RuntimeError(f"checkpoint {tmp}: the optimizer shards of trainer ranks {missing} are missing")
     if ranks.is_main:
         log_sizes = {name: os.path.getsize(os.path.join(cfg["out"], name)) for name in LOGS
                      if os.path.exists(os.path.join(cfg["out"], name))}  # lines are flushed whole: a line boundary
@@ -99,6 +109,17 @@ def recover_checkpoint(run):
         return path
     raise UsageError(f"--resume {run}: no complete checkpoint in {path} (runs save one every --save-every "
                      "steps and at the last step)")
+
+
+def wait_for_checkpoint(run, timeout=600):
+    """Trainer ranks 1..K-1 under --resume: wait until rank 0 has recovered ckpt/ (recover_checkpoint)."""
+    for _ in range(int(timeout / 0.2)):
+        if checkpoint_complete(os.path.join(run, "ckpt")):
+            return
+        if not any(checkpoint_complete(os.path.join(run, d)) for d in ("ckpt", "ckpt.old")):
+            break  # nothing rank 0 could recover: it says why
+        time.sleep(0.2)
+    raise UsageError(f"--resume {run}: no complete checkpoint in {os.path.join(run, 'ckpt')} appeared")
 
 
 def cut_logs(out, state):

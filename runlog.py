@@ -13,8 +13,9 @@ Every figure is drawn from these files (plot.py); rundir.py keeps them across a 
 metrics.jsonl, the keys both trainers write: step, wall_s (seconds since the start;
 simulated in lesson.py), version (the weights the step trains), reward_mean, loss,
 grad_norm, behaviour_gap (mean |log pi - log mu| over the loss's tokens),
-trained_tokens, answer_len, stale_token_frac (trained tokens sampled while reading KV
-that older weights wrote / trained tokens), lag_mean and lag_max (over trained tokens,
+trained_tokens, run_tokens (what the step ran through the model: grpo.run_tokens),
+answer_len, stale_token_frac (trained tokens sampled while reading KV that older
+weights wrote / trained tokens), lag_mean and lag_max (over trained tokens,
 step version - the version that sampled the token), spanning_frac (trained answers whose
 tokens come from more than one version), loss_tokens, loss_stale_token_frac,
 loss_lag_mean (the same over the tokens the loss saw: answers whose advantage is not

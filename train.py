@@ -11,10 +11,11 @@ generator gets new weights (--regime, see regimes.py).
 Two processes: this one (the trainer) and the generator (generator.py: a vLLM
 engine stepped one decode step at a time). Finished answers come over a bounded
 queue; new weights go to the vLLM worker by torch.distributed broadcast after
-every optimizer step. What guards the run before it starts is in preflight.py,
-what keeps its directory in runlog.py (the logs) and rundir.py (checkpoint, resume), what several
-trainer ranks add (torchrun, FSDP2) in ranks.py: one line each here. Read it with one
-process in mind: with one, each ranks.* call is the identity.
+every optimizer step. What guards the run before it starts is in preflight.py, where
+each process runs in devices.py, the run directory in runlog.py (the logs) and
+rundir.py (checkpoint, resume), what several trainer ranks add (torchrun, FSDP2) in
+ranks.py: one line each here. Read it with one process in mind: with one, each
+ranks.* call is the identity.
 
 The algorithm is lesson.py's, on a simulated clock in one process there: read that
 first. The same pieces run here: the Generator and its regimes (engine.py,
@@ -32,8 +33,8 @@ import time
 import config
 from data import UsageError
 from devices import prepare
-from grpo import (LOGIT_CHUNK_BYTES, TrainingDiverged, batch_metrics, generator_metrics, lr_at, micro_batches,
-                  optimizer_step, score_batch, token_weights, train_step)
+from grpo import (LOGIT_CHUNK_BYTES, TrainingDiverged, activation_checkpointing, batch_metrics, generator_metrics,
+                  lr_at, micro_batches, optimizer_step, run_tokens, score_batch, token_weights, train_step)
 from preflight import check_budget, check_kv_plan, check_memory_plan, check_model, load_splits
 from ranks import Ranks
 from rundir import cut_logs, load_trainer_state, resume_config, save_checkpoint
@@ -53,6 +54,8 @@ def parse_config(argv=None):
     p.add_argument("--gen-device", default="auto", help="generator device: auto, cpu, cuda:N, or one per engine: "
                                                         "cuda:0,cuda:1 (auto: the first GPUs, the trainer's the next)")
     p.add_argument("--train-device", default="auto", help="trainer device: auto, cpu, cuda:N")
+    p.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
+                   help="recompute each layer's activations in backward (grpo.activation_checkpointing); auto: on a GPU")
     p.add_argument("--tensorboard", action="store_true", help="also write the metrics for TensorBoard, in <run>/tensorboard")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's share of its GPU (default 0.85 alone, 0.3 when sharing one GPU with the trainer)")
@@ -90,7 +93,8 @@ def main(argv=None):
     check_model(cfg["model_path"])
     check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"],
                  cfg["max_model_len"], name=cfg["model"])
-    device = cfg["train_device"]
+    device = cfg["trainer_device"]
+    cfg["checkpointing"] = cfg["grad_checkpointing"] == "on" or cfg["grad_checkpointing"] == "auto" and device != "cpu"
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
     # what a checkpoint saves of the run's progress (rundir.save_checkpoint): zero at the start
@@ -104,14 +108,15 @@ def main(argv=None):
     start_step, version = progress["step"], progress["version"]
     check_memory_plan(cfg, LOGIT_CHUNK_BYTES, ranks.world)
     ranks.start(device)
+    cfg["out"] = ranks.from_main(cfg["out"])  # one run directory: rank 0's (each rank's default names its own second)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     # float32 master weights everywhere: AdamW at lr 1e-6 on bf16 weights of size ~0.02
     # rounds most updates away (bf16's spacing there is ~1e-4). On GPU the forward
     # runs under bf16 autocast, and the push sends bf16, the generator's dtype.
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).to(device)
-    gen_dtype = torch.float32 if cfg["gen_device"] == "cpu" else torch.bfloat16
-    if device != "cpu":
-        model.gradient_checkpointing_enable()  # long answers on a 0.6B model: trade compute for memory
+    gen_dtype = torch.float32 if cfg["gen_devices"][0] == "cpu" else torch.bfloat16
+    if cfg["checkpointing"]:
+        activation_checkpointing(model)  # long answers on a 0.6B model: trade compute for memory
     model = ranks.shard(model)  # FSDP2 across the trainer ranks; one rank: the model as it is
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     if cfg.get("resume"):
@@ -198,7 +203,8 @@ def main(argv=None):
             m = dict(step=step, wall_s=round(now - t_start, 2), version=version, **scores,
                      loss=loss, grad_norm=grad_norm, behaviour_gap=behaviour_gap, sync_s=sync_s,
                      trainer_wait_s=trainer_wait_s, stall_bound_s=round(gen.stall_bound(), 1),
-                     **batch_metrics(batch, adv, version), **pool_stats(batch_groups, rejected, pool.complete, version),
+                     **batch_metrics(batch, adv, version), run_tokens=run_tokens(cfg, batch, adv),
+                     **pool_stats(batch_groups, rejected, pool.complete, version),
                      **generator_metrics(stats, last_stats, now - last_t),
                      cpu_s=round(time.process_time() + cpu_s0 + stats.get("cpu_s", 0.0), 1),  # both processes, so far
                      **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}))

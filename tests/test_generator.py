@@ -87,8 +87,8 @@ def test_sync_is_exact(model_args=(), tol=1e-3):
                  for s in collect(gen, 4)]
         assert max(diffs) > 1e-2, f"a push without lm_head.weight went unnoticed (max diff {max(diffs):.2e})"
 
-        # 2. the right push: the whole state_dict; twice, since the second one reuses
-        # the worker's receive buffers
+        # 2. the right push: the whole state_dict; twice (the receiver keeps nothing
+        # between pushes: a second one must not depend on the first)
         for version in (2, 3):
             model.load_state_dict(perturbed(model, seed=version))
             assert gen.push(model.state_dict()) == version

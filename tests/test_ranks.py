@@ -33,8 +33,8 @@ def torchrun(*args, timeout=900, **kw):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
 
 
-def run(cmd, timeout=900):
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def run(cmd, timeout=900, cwd=None):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -56,8 +56,9 @@ def step_cfg(loss):
                 loss_agg="answer" if loss == "ppo" else "token", max_new_tokens=160)
 
 
-def grads_job(out, loss):
-    """Run by each of 2 ranks (torchrun): the step of train.optimize, gradients gathered."""
+def grads_job(out, loss, checkpointing):
+    """Run by each of 2 ranks (torchrun): the step of train.optimize, gradients gathered
+    (with activation checkpointing as train.py --grad-checkpointing on sets it up)."""
     import torch.distributed as dist
     import grpo
     from ranks import Ranks
@@ -65,6 +66,9 @@ def grads_job(out, loss):
     ranks = Ranks()
     ranks.start("cpu")
     model, batch, adv = the_batch()
+    if checkpointing == "on":
+        grpo.activation_checkpointing(model)
+        model.train()
     model = ranks.shard(model)
     cfg = step_cfg(loss)
     share, share_adv, weights, n_micro = ranks.scatter(
@@ -80,16 +84,18 @@ def grads_job(out, loss):
     ranks.stop()
 
 
-@pytest.mark.parametrize("loss", ["tis", "ppo"])
-def test_two_ranks_take_the_step_one_process_takes(loss, tmp_path):
+@pytest.mark.parametrize("loss, checkpointing", [("tis", "off"), ("ppo", "off"), ("tis", "on")])
+def test_two_ranks_take_the_step_one_process_takes(loss, checkpointing, tmp_path):
     """The loss is the token-level mean over the whole batch whatever the ranks: the
     gradient gathered from 2 FSDP2 ranks over a split batch equals one process's on the
     whole batch (float32, relative 1e-5 of the largest entry), with uneven splits (one
     rank more tokens and more micro-batches: the other runs empty ones); ppo with the
-    per-answer mean (--loss-agg answer), whose weights depend on the whole batch."""
+    per-answer mean (--loss-agg answer), whose weights depend on the whole batch; and
+    with activation checkpointing under FSDP2 (on by default on GPUs), against one
+    process without it."""
     import grpo
     out = str(tmp_path / "grads.pt")
-    run(torchrun(HERE, "grads", out, loss))
+    run(torchrun(HERE, "grads", out, loss, checkpointing))
     got = torch.load(out, weights_only=False)
     (tok0, mb0), (tok1, mb1) = got["split"]
     assert tok0 != tok1 and mb0 != mb1 and got["n_micro"] == max(mb0, mb1)  # uneven
@@ -177,9 +183,15 @@ def check_engines(run_dir):
 
 
 def test_end_to_end_two_ranks_two_engines(tmp_path):
+    """No --out: each rank names the default run directory after the second it starts in,
+    and rank 1 starting a second later must still write its optimizer shard into rank 0's
+    directory: one directory, a complete checkpoint."""
     from test_smoke import check_run
-    run_dir = str(tmp_path / "stale")
-    run(torchrun("train.py", "--regime", "stale", "--out", run_dir, "--steps", "3", *SMALL))
+    run(torchrun(os.path.join(os.path.dirname(os.path.dirname(HERE)), "train.py"), "--regime", "stale", "--steps", "3",
+                 *SMALL), cwd=tmp_path)
+    made = os.listdir(tmp_path / "out")
+    assert len(made) == 1, made
+    run_dir = str(tmp_path / "out" / made[0])
     check_run(run_dir, "stale", steps=3)
     check_engines(run_dir)
     assert os.path.isdir(os.path.join(run_dir, "ckpt", "optimizer"))  # the ranks' optimizer shards
@@ -206,10 +218,10 @@ def job(proc):
 
 
 def test_resume_two_ranks_after_kill_9(tmp_path):
-    """recompute, 2 ranks and 2 engines: kill -9 of the whole job after a checkpoint,
-    --resume under torchrun: each step once, versions consecutive, the optimizer's
-    shards reloaded."""
-    from test_smoke import check_run
+    """recompute, 2 ranks and 2 engines: kill -9 of the whole job after a checkpoint, left
+    as ckpt.old/ alone (a save that died between its two renames), --resume under
+    torchrun: rank 0 recovers it while rank 1 waits; each step once, versions
+    consecutive, the optimizer's shards reloaded."""
     run_dir = str(tmp_path / "recompute")
     proc = start("--regime", "recompute", "--out", run_dir, "--steps", "1000", "--save-every", "2", *SMALL,
                  "--eval-every", "0")
@@ -221,7 +233,8 @@ def test_resume_two_ranks_after_kill_9(tmp_path):
     saved = torch.load(os.path.join(run_dir, "ckpt", "trainer_state.pt"), weights_only=False)
     assert saved["world"] == 2 and saved["step"] >= 2
     steps = saved["step"] + 2
-    run(torchrun("train.py", "--resume", run_dir, "--steps", str(steps)))
+    os.rename(os.path.join(run_dir, "ckpt"), os.path.join(run_dir, "ckpt.old"))  # as a save dying between its renames
+    run(torchrun("train.py", "--resume", run_dir, "--steps", str(steps)))  # rank 0 alone puts it back
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert [m["version"] for m in metrics] == list(range(steps))

@@ -14,6 +14,7 @@ answers (--synth-steps 8, ~70 tokens) are all half-written then. The engine is m
 once and shared by the tests (each loads the weights it starts from).
 """
 
+import pytest
 import torch
 
 from engine import Generator, load_in_place, make_engine
@@ -21,6 +22,8 @@ from grpo import as_tensors
 from lesson import parse_config
 from regimes import make_regime
 from test_generator import hf_logprobs, hf_model, perturbed
+
+pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
 T = 0.7  # not 1: every reference must divide the logits by the sampling temperature, as vLLM does
 LONG = ("--synth-steps", "8", "--max-new-tokens", "96", "--group-size", "4", "--prompts-per-step", "4",
@@ -162,3 +165,21 @@ def test_sync_is_on_policy():
     first, second = samples[:16], samples[16:]
     assert all(s["versions"].eq(0).all() for s in first) and all(s["versions"].eq(1).all() for s in second)
     no_answer_spans_versions(samples, old, new)
+
+
+def test_waiting_for_the_other_engines_is_idle_not_loading():
+    """With several engines a push starts once the last one has joined it (the receiver
+    says when: generator.WeightReceiver): an engine that finished draining first waits,
+    and that wait is idle time on its timeline and in gen_idle_s, not loading."""
+    from lesson import SimClock
+    gen, _, outbox, _ = generator("drain")
+    gen.clock = clock = SimClock(dict(step_s=0.01, prefill_s=0.0, train_s=0.0, load_s=0.5))
+
+    def receive(engine, version, weights):  # the other engine drains for 2 s more
+        clock.t += 2.0
+        return clock.t
+    gen.receive = receive
+    gen.load_weights(1, None)
+    events = [e for kind, e in outbox if kind == "event"]
+    assert [(e.get("what") or e["mark"], e["t"]) for e in events] == [("idle", 0.0), ("loading", 2.0), ("load", 2.5)]
+    assert events[-1]["t0"] == 2.0 and gen.stats["gen_idle_s"] == 2.0 and gen.stats["load_s"] == 0.5

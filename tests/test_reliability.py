@@ -25,7 +25,8 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CASES = ["truncated line", "missing field", "missing file", "model path", "resume nothing", "resume no ckpt",
          "answer budget", "offline test split", "eval.py truncated line", "eval.py offline", "synth steps",
          "preset dataset", "max num seqs", "format reward", "json object", "resume done", "eval.py answer budget",
-         "group size 1", "temperature 0", "resume past cosine"]
+         "group size 1", "temperature 0", "resume past cosine", "pace target 0", "gpu on a cpu machine",
+         "lesson clock"]
 
 
 def bad_input(case, tmp):
@@ -69,6 +70,9 @@ def bad_input(case, tmp):
         "group size 1": ([*train, "--group-size", "1", "--max-num-seqs", "64"], "--group-size must be >= 2"),
         "temperature 0": ([*train, "--temperature", "0"], "--temperature must be > 0"),
         "eval.py answer budget": (["eval.py", "--model", "tiny", "--max-new-tokens", "600"], "lower it to"),
+        "pace target 0": ([*train, "--pool", "pace", "--pace-target", "0"], "--pace-target must be >= 1"),
+        "gpu on a cpu machine": ([*train, "--gen-device", "cuda:63"], "but this machine shows"),
+        "lesson clock": (["lesson.py", "--out", str(tmp / "lesson"), "--train-s", "-1"], "--train-s must be >= 0"),
     }[case]
 
 
@@ -305,5 +309,19 @@ def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
     assert "last activity it reported: " in err
     assert "in stall_test_hook" in err  # the stack faulthandler wrote, pointing at the hang
     assert "leaked semaphore" not in err, err[-2000:]  # the killed generator leaves nothing behind
+    time.sleep(1)
+    assert not session_left(proc.pid)
+
+
+def test_push_watchdog_names_the_engine_that_never_joined(tmp_path):
+    """Two engines; engine 1 hangs before it joins the push of v1 (the test hook) while
+    engine 0 waits in the push for it: the watchdog stops engine 1 and names it alone."""
+    env = dict(os.environ, INFLIGHT_TEST_STALL_AT_PUSH="1", INFLIGHT_TEST_STALL_ENGINE="1")
+    proc = start_train("--out", str(tmp_path / "run"), "--steps", "3", "--stall-s", "20", "--engines", "2", *SMALL,
+                       env=env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, (out[-2000:], err[-3000:])
+    assert "generator engine 1 stalled: alive but not taking new weights for 20s" in err, err[-3000:]
+    assert "generator engine 0 stalled" not in err and "in stall_test_hook" in err
     time.sleep(1)
     assert not session_left(proc.pid)

@@ -67,7 +67,7 @@ def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
     from transformers import AutoConfig
     from preflight import memory_plan
     from grpo import LOGIT_CHUNK_BYTES
-    cfg = dict(train_device="cuda:0", micro_batch_tokens=micro_batch_tokens)
+    cfg = dict(trainer_device="cuda:0", micro_batch_tokens=micro_batch_tokens)
     print(f"| GiB per trainer rank (--micro-batch-tokens {micro_batch_tokens}) | parameters | "
           + " | ".join(f"{k} rank{'s' * (k > 1)}" for k in world_sizes) + " |")
     print("|---|---|" + "---|" * len(world_sizes))
@@ -76,6 +76,16 @@ def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
         plans = [memory_plan(cfg, config, LOGIT_CHUNK_BYTES, k) for k in world_sizes]
         n = plans[0]["weights + grads (fp32)"] / 8
         print(f"| {name} | {n / 1e9:.2f}B | " + " | ".join(f"{sum(p.values()) / 2**30:.1f}" for p in plans) + " |")
+    from preflight import engine_plan
+    print("\n| GiB per generator engine, beside vLLM's share of its GPU | parameters (bf16) | a push's buffers, now "
+          "(one module) | before (a second copy of the model) | 80 GB card at 0.85: left outside |")
+    print("|---|---|---|---|---|")
+    for name, arch in QWEN3.items():
+        config = AutoConfig.for_model("qwen3", **arch)
+        n = memory_plan(cfg, config, LOGIT_CHUNK_BYTES)["weights + grads (fp32)"] / 8
+        whole = 2 * n + (2 * config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0)  # + lm_head
+        print(f"| {name} | {2 * n / 2**30:.1f} | {engine_plan(config) / 2**30:.2f} | {whole / 2**30:.1f} | "
+              f"{(0.15 * 80e9 - 2**30) / 2**30:.1f} |")
 
 
 def peak_bytes(device):
@@ -98,14 +108,14 @@ def main(argv=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from preflight import memory_plan
-    from grpo import LOGIT_CHUNK_BYTES, micro_batches, token_weights, train_step
+    from grpo import LOGIT_CHUNK_BYTES, activation_checkpointing, micro_batches, token_weights, train_step
     if args.plan:
         return print_plans(args.micro_batch_tokens)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda:0" if device == "cuda" else device
     shape = SHAPES[args.shape]
     cfg = dict(micro_batch_tokens=args.micro_batch_tokens, temperature=1.0, loss="tis", is_cap=2.0,
-               train_device=device, loss_agg="token")
+               trainer_device=device, loss_agg="token")
     config = AutoConfig.for_model("qwen3", **shape["arch"])
     plan = memory_plan(cfg, config, LOGIT_CHUNK_BYTES)
     batch, adv = make_batch(shape, args.worst_case, config.vocab_size)
@@ -114,7 +124,7 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-        model.gradient_checkpointing_enable()  # as train.py on a GPU
+        activation_checkpointing(model)  # as train.py on a GPU
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
     mbs = micro_batches(batch, args.micro_batch_tokens)

@@ -1,8 +1,8 @@
 """
 The whole asynchronous GRPO loop in one process, on a simulated clock. Read this first.
 
-    python lesson.py                                      # tiny model, short answers (~2 min on 2 cores)
-    python lesson.py --preset long --regime stale         # long answers: many trained tokens read stale KV
+    python lesson.py                                      # tiny model, short answers: 150 steps, ~2.5 min on 2 cores
+    python lesson.py --preset long --regime stale         # long answers: a third of trained tokens stale, ~2 min
     python plot.py --answers out/lesson-stale-long-s0     # one weight switch, answer by answer
 
 Two workers share one timeline. The generator (a vLLM engine stepped one decode step at
@@ -15,7 +15,8 @@ time; here one process plays both, in turn, and the time each piece of work take
 counted, not measured (SimClock):
 
     one engine step    --step-s, + --prefill-s per token whose KV it wrote in one go (a prompt, a rebuild)
-    one trainer step   --train-s per trained token: its weights are ready that long after it starts
+    one trainer step   --train-s per token it runs through the model (grpo.run_tokens): its
+                       new weights are ready that long after it starts
     one weight load    --load-s
 
 The trainer starts a step as soon as it is free and the pool holds the step's groups; its
@@ -24,11 +25,15 @@ meanwhile, or idles under sync, or drains under drain). So a run is a pure funct
 its flags and seed: run it twice and metrics.jsonl and answers.jsonl are identical, and
 every number that depends on timing (stale tokens, lag, idle time, time to a target) is the
 same on every machine, up to its floating point. The speed of generation against training
-is a knob: raise --train-s and the generator gets further ahead, so more answers span a push.
+is a knob: change --train-s and see what happens to the stale share (docs/course.md).
 
-The default costs are measured, not invented: train.py --preset long --regime stale on a
-2-core AMD EPYC (RESULTS.md, "The simulated clock's costs"), where the generator and the
-trainer each had one core. Times and rates in the log and the files are in simulated seconds.
+The default costs are measured, not invented: tools/clock_costs.py on a run of
+`train.py --preset long --regime stale` on a 2-core AMD EPYC, the generator and the
+trainer on a core each: 18.3 ms an engine step, 53 us a prefilled token, 0.116 ms a token
+through the trainer, 40 ms a load. That run trained 33.6% stale tokens and this file at
+these costs 32.9%; on the short default preset, 1.1% and 1.7% (RESULTS.md, "The lesson's
+clock"). For a GPU pair, measure one of your runs the same way. Times and rates in the
+log and in the files are simulated seconds.
 """
 
 import argparse
@@ -46,7 +51,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every weight l
 import config
 from data import UsageError
 from eval import eval_prompts, pass_at_1
-from grpo import as_tensors, batch_metrics, generator_metrics, lr_at, optimizer_step, score_batch, token_weights, train_step
+from grpo import (as_tensors, batch_metrics, generator_metrics, lr_at, optimizer_step, run_tokens, score_batch,
+                  token_weights, train_step)
 from pace import Pool, pool_stats
 from preflight import check_budget, check_model, load_splits, model_path
 from regimes import make_regime
@@ -72,10 +78,12 @@ def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     config.add_flags(p)  # train.py's flags, defaults and presets, where they apply
-    p.add_argument("--step-s", type=float, default=0.05, help="simulated seconds per engine step")
-    p.add_argument("--prefill-s", type=float, default=2e-5, help="... plus this per token it prefills")
-    p.add_argument("--train-s", type=float, default=1e-4, help="simulated seconds per trained token")
-    p.add_argument("--load-s", type=float, default=0.1, help="simulated seconds per weight load")
+    # the defaults: tools/clock_costs.py on a train.py run (docstring); yours: run it on one of your runs
+    p.add_argument("--step-s", type=float, default=0.0183, help="simulated seconds per engine step")
+    p.add_argument("--prefill-s", type=float, default=5.3e-5, help="... plus this per token whose KV it prefills")
+    p.add_argument("--train-s", type=float, default=1.16e-4,
+                   help="simulated seconds per token a trainer step runs through the model (grpo.run_tokens)")
+    p.add_argument("--load-s", type=float, default=0.040, help="simulated seconds per weight load")
     cfg = config.fill(vars(p.parse_args(argv)))
     for k in ("step_s", "prefill_s", "train_s", "load_s"):
         if not cfg[k] >= 0:
@@ -83,7 +91,7 @@ def parse_config(argv=None):
     if cfg["step_s"] <= 0:
         raise UsageError("--step-s must be > 0: every engine step takes time, or simulated time never moves")
     name = f"lesson-{cfg['regime']}-{cfg['preset'] or cfg['dataset']}-s{cfg['seed']}"
-    cfg.update(model_path=model_path(cfg["model"]), gen_device="cpu", out=cfg["out"] or os.path.join("out", name))
+    cfg.update(model_path=model_path(cfg["model"]), out=cfg["out"] or os.path.join("out", name))
     return cfg
 
 
@@ -109,7 +117,7 @@ def train_on(cfg, model, opt, tokenizer, step, batch, version):
     loss, gap, gap_tokens = train_step(cfg, model, batch, adv, token_weights(cfg, batch), "cpu")
     grad_norm = optimizer_step(model, opt, loss)
     return dict(**scores, loss=loss, grad_norm=grad_norm, behaviour_gap=gap / max(1, gap_tokens),
-                **batch_metrics(batch, adv, version))
+                **batch_metrics(batch, adv, version), run_tokens=run_tokens(cfg, batch, adv))
 
 
 def main(argv=None, engine=None):
@@ -157,7 +165,10 @@ def main(argv=None, engine=None):
     while step < cfg["steps"] or push:
         # 1. what the generator finished since the last turn: answers into the pool, events into the log
         for kind, item in outbox:
-            pool.add(as_tensors(item)) if kind == "sample" else log.event(item)
+            if kind == "sample":
+                pool.add(as_tensors(item))
+            else:
+                log.event(item)
         outbox.clear()
 
         # 2. the trainer: a step as soon as it is free and the pool holds the step's groups (oldest first)
@@ -169,7 +180,7 @@ def main(argv=None, engine=None):
             batch = [s for g in groups for s in g]
             m = dict(step=step, version=version, **train_on(cfg, model, opt, tokenizer, step, batch, version),
                      **pool_stats(groups, rejected, pool.complete, version), trainer_wait_s=start - free_at)
-            push = (version + 1, start + cfg["train_s"] * m["trained_tokens"])
+            push = (version + 1, start + cfg["train_s"] * m["run_tokens"])
 
         # 3. the push: once the weights are ready, the regime decides, between two engine steps,
         #    what happens to the answers in flight (drain keeps the trainer waiting until they finish)

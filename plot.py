@@ -214,6 +214,28 @@ def legend_handles(versions):
     return h
 
 
+def cost(run, regime):
+    """What the regime paid in this run, from its ledger: a panel's title."""
+    path = os.path.join(run, "ledger.json")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        led = json.load(f)
+    tok, gen = led["tokens"], led["seconds"].get("generator", {})
+    share = lambda x: f"{100 * x / max(led['total_s'], 1e-9):.0f}%"
+    if regime == "sync":
+        return f"generator idle {share(gen.get('idle', 0))} of the run"
+    if regime == "drain":
+        return f"generator idle or draining {share(gen.get('idle', 0) + gen.get('draining', 0))} of the run"
+    if regime == "discard":
+        return f"{100 * tok['discarded'] / max(1, tok['generated']):.0f}% of generated tokens thrown away"
+    if regime == "recompute":
+        return f"{100 * tok['recomputed'] / max(1, tok['generated']):.0f}% of generated tokens prefilled again"
+    steps = [m for m in read_jsonl(os.path.join(run, "metrics.jsonl")) if "trained_tokens" in m]
+    stale = sum(m["stale_token_frac"] * m["trained_tokens"] for m in steps) / max(1, sum(m["trained_tokens"] for m in steps))
+    return f"{100 * stale:.0f}% of trained tokens stale"
+
+
 def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
     """The answers figure of one run, or one panel per run sharing the time scale.
     Returns (path, selections): what each panel shows, for tests and captions."""
@@ -233,7 +255,8 @@ def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
         what = (f"{s['alive']} answer{'s' * (s['alive'] != 1)} half-written when v{s['switch']['version']} was sent"
                 if s["switch"]
                 else f"answers alive in {window[0]:g}-{window[1]:g} s")
-        ax.set_title(f"{s['regime']}: {what}   ({name})", fontsize=10, loc="left")
+        paid = cost(s["run"], s["regime"])
+        ax.set_title(f"{s['regime']}" + (f" ({paid})" if paid else "") + f": {what}   ({name})", fontsize=10, loc="left")
     lo = min(s["xlim"][0] for s in sels)
     hi = max(s["xlim"][1] for s in sels)
     axes[-1].set_xlim(lo, hi)

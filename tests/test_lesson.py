@@ -22,6 +22,8 @@ import lesson
 from conftest import ROOT
 from test_layout import graph
 
+pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
+
 # 6 steps of 4 groups of 4 long answers: every push lands while answers are being written
 ARGS = ("--preset", "long", "--steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
         "--no-plot")
@@ -96,9 +98,17 @@ def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
                    for x in answers for p in x["prefills"] if p[4] == "recompute")
 
 
+@pytest.mark.parametrize("max_lag", [0, 1])
+def test_max_lag_bounds_the_lag(max_lag, tmp_path):
+    """--max-lag k: no trained token is more than k versions older than the weights it
+    trains, and the generator does run k versions ahead (the bound is what binds)."""
+    metrics = read(run("stale", tmp_path, "--max-lag", str(max_lag)), "metrics.jsonl")
+    assert max(m["lag_max"] for m in metrics) == max_lag
+
+
 @pytest.mark.parametrize("regime", ["stale", "drain"])
 def test_weights_load_when_the_clock_says(regime, tmp_path):
-    """A push is ready --train-s x trained tokens after its step starts; the load runs
+    """A push is ready --train-s x the step's run tokens after it starts; the load runs
     between the two engine steps around that moment (drain: once its answers finish)
     and costs --load-s."""
     events = read(run(regime, tmp_path), "events.jsonl")
@@ -110,7 +120,7 @@ def test_weights_load_when_the_clock_says(regime, tmp_path):
     assert len(starts) == len(ready) == len(loads) == 6
     step_max = cfg["step_s"] + cfg["prefill_s"] * 4096  # the longest an engine step can take (4,096 tokens prefilled)
     for t0, r, load, m in zip(starts, ready, loads, metrics):
-        assert r == pytest.approx(t0 + cfg["train_s"] * m["trained_tokens"], abs=1e-9)
+        assert r == pytest.approx(t0 + cfg["train_s"] * m["run_tokens"], abs=1e-9)
         assert load["t0"] >= r and load["t1"] - load["t0"] == pytest.approx(cfg["load_s"], abs=1e-9)
         if regime != "drain":
             assert load["t0"] < r + step_max
@@ -152,7 +162,8 @@ def test_the_step_is_train_pys(tmp_path):
     for i, t in enumerate(texts):
         ids = torch.tensor(tok(t, add_special_tokens=False)["input_ids"])
         batch.append(dict(prompt_ids=torch.tensor(tok("Ann has 3.", add_special_tokens=False)["input_ids"]),
-                          token_ids=ids, logprobs=-torch.rand(len(ids), generator=g) - 0.5, answer="7" if i < 4 else "4",
+                          token_ids=ids, logprobs=-torch.rand(len(ids), generator=g) - 0.5,
+                          answer="7" if i < 4 else "4",
                           finish_reason="stop", versions=torch.zeros(len(ids), dtype=torch.int32),
                           stale=torch.zeros(len(ids), dtype=torch.bool)))
     models = [AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32) for _ in range(2)]
@@ -167,10 +178,3 @@ def test_the_step_is_train_pys(tmp_path):
         assert torch.equal(p, q), k
     assert not torch.equal(models[0].model.norm.weight, AutoModelForCausalLM.from_pretrained(
         cfg["model_path"]).model.norm.weight), "the step moved nothing: the comparison proves nothing"
-
-
-def test_bad_flags_are_one_line(tmp_path):
-    """A user's mistake in a lesson flag: one line on stderr, exit 2, before any model loads."""
-    r = subprocess.run([sys.executable, "lesson.py", "--train-s", "-1", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--train-s" in r.stderr

@@ -18,10 +18,10 @@ DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
                  lr=1e-6, temperature=1.0, lr_schedule="constant", eval_every=50, eval_n=500, max_model_len=4096),
 }
 PRESETS = {  # named settings on top of a dataset's defaults; flags given on the command line win
-    # MATH's analog: long-tailed answers (p50 32 tokens, p90 86, max ~120), the generator two versions
-    # ahead, short micro-batches (less padding); a warm start half-way through learning to chain
-    # operations (tools/tiny.py), so RL has something to sharpen; 60 steps: every regime has
-    # reached its plateau by step ~40 (RESULTS.md); 512 eval problems (README)
+    # MATH's analog: long-tailed answers (2,000 test problems' solutions: p50 32 tokens, p90 86, max 117),
+    # the generator two versions ahead, short micro-batches (less padding); a warm start early in the jump
+    # in which it learns to chain operations (tools/tiny.py, docs/presets.md), so RL has something to
+    # sharpen; 60 steps: every regime has reached its plateau by step ~40; 512 eval problems (RESULTS.md)
     "long": dict(dataset="synth", synth_steps="1-12", max_new_tokens=160, max_lag=2, micro_batch_tokens=2048,
                  model="tiny-long", steps=60, lr=6e-5, eval_every=20, eval_n=512),
 }
@@ -78,7 +78,8 @@ def add_flags(p):
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: never)")
     p.add_argument("--eval-n", type=int, default=None, help="test problems per evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
-    p.add_argument("--out", default=None, help="run directory (default: out/<regime>-<dataset>-s<seed>-<time>; lesson.py: out/lesson-...)")
+    p.add_argument("--out", default=None,
+                   help="run directory (default: out/<regime>-<dataset>-s<seed>-<time>; lesson.py: out/lesson-...)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG at the end")
 
 

@@ -1,7 +1,7 @@
 """
 Every regime end to end through train.py, as a user runs it: a few steps on CPU with
-the tiny model, then the run directory is checked against its contract (runlog.py's docstring) and
-the regime's invariants against metrics.jsonl. Also: Ctrl-C, a killed generator
+the tiny model, then the run directory is checked against its contract (runlog.py's
+docstring) and the regime's invariants against metrics.jsonl. Also: Ctrl-C, a killed generator
 (resume: test_reliability.py, after a kill -9).
 
     .venv/bin/python -m pytest -q test_smoke.py

@@ -12,7 +12,11 @@ import os
 import re
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
 
 def project_modules():
@@ -116,3 +120,19 @@ def test_every_link_resolves():
                 if anchor and anchor not in anchors(path):
                     broken.append(f"{os.path.relpath(doc, ROOT)}: {target} (no such heading)")
     assert len(seen) >= 2 and not broken, broken
+
+
+def test_readme_is_a_first_page_and_cites_nothing_outside():
+    """The README stays a course's first page: at most 12,000 characters, its first
+    screen the two commands a newcomer runs. No file of the project cites a file the
+    repository does not have (the team's design notes live outside it)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    assert len(text) <= 12000, len(text)
+    first = text[:1500]
+    assert "bash install_cpu.sh && .venv/bin/python lesson.py" in first
+    assert "bash install_cpu.sh && .venv/bin/python -m pytest" in first
+    files = [p for p in glob.glob(os.path.join(ROOT, "**", "*.*"), recursive=True)
+             if p.endswith((".py", ".md", ".sh", ".txt")) and "/.venv/" not in p and "/out/" not in p]
+    bad = [os.path.relpath(p, ROOT) for p in files if re.search(r"DESIGN\.md|STYLE\.md|\.\./shared", open(p).read())
+           and not p.endswith("test_layout.py")]
+    assert len(files) > 30 and not bad, bad

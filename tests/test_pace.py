@@ -8,6 +8,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pace import (Pool, default_target, effective_staleness, generation_staleness, pool_stats,
                   take_groups_fifo, take_groups_pace, waiting_staleness)
 
+pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
+
 PROPS = settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherev
 
 
 # sync: the push includes vLLM's reload of each module as it arrives, since the engine keeps
-# no second copy of the model (generator.WeightReceiver): 1.9x a raw broadcast on 2 CPU
+# no second copy of the model (generator.WeightReceiver): 1.75-1.9x a raw broadcast on 2 CPU
 # cores for a 192 MiB model, where the reload repacks every weight (RESULTS.md, "Receive
 # buffers"); 0.9x when the engine received everything first, into a copy it kept
 SYNC_TARGET, GENERATE_TARGET = 2.0, 0.95

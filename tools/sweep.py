@@ -7,7 +7,7 @@ steps per minute, stale tokens, lag, and where each process's time went.
     python tools/sweep.py long                # 5 x 5 of `train.py --preset long` (~3 min a run, 72 min;
                                         # ~1.6 min, 40 min, on a twice as fast 2-core machine),
                                         # then 5 x 3 of default for the contrast (~75 min)
-    python tools/sweep.py long --contrast-seeds   # the long preset's runs only
+    python tools/sweep.py long --no-contrast      # the long preset's runs only
     python tools/sweep.py long --regimes stale recompute --pools fifo pace   # PACE vs fifo, and vs the sync runs on disk
                                         # (10 PACE runs, ~5 min each, ~2.8 on the faster machine)
     python tools/sweep.py long --table-only   # run nothing, write the tables and figures of what finished
@@ -18,7 +18,7 @@ at a time, seed by seed (a sweep cut short still has every regime at the first
 seeds). A finished run (metrics reach its last step, ledger.json written) is
 skipped; an unfinished one starts over, so an interrupted sweep picks up where it
 stopped. `long` runs the default preset after its own runs, over --contrast-seeds,
-for the contrast: what changes when answers are long.
+for the contrast: what changes when answers are long (--no-contrast: not those).
 
 What it writes (and prints):
     <out>/<preset>/table.md     one row per regime: mean ± std over seeds (sample std, n-1)
@@ -493,8 +493,9 @@ def main():
     p.add_argument("--pools", nargs="+", default=["fifo"], choices=["fifo", "pace"])
     # long: 5 seeds, as its regimes differ by less than 3 seeds' spread (README)
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0-2, and 0-4 for long")
-    p.add_argument("--contrast-seeds", nargs="*", type=int, default=[0, 1, 2],
-                   help="seeds of the default runs `long` adds (given with none: no default runs)")
+    p.add_argument("--contrast-seeds", nargs="+", type=int, default=[0, 1, 2],
+                   help="seeds of the default preset's runs that `long` adds, for the contrast")
+    p.add_argument("--no-contrast", action="store_true", help="`long`: the long preset's runs only")
     p.add_argument("--target", type=float, default=None, help="target eval accuracy (default: TARGETS[preset])")
     p.add_argument("--out", default="out/sweep", help="parent directory of the presets' run directories")
     p.add_argument("--table-only", action="store_true", help="run nothing, write the tables of finished runs")
@@ -505,7 +506,8 @@ def main():
     # seed by seed, so a sweep cut short still has every regime and pool at the first seeds
     plan = [(args.preset, r, pool, s) for s in args.seeds for pool in args.pools for r in args.regimes]
     if args.preset == "long":  # the contrast, once the long sweep is complete
-        plan += [("default", r, pool, s) for s in args.contrast_seeds for pool in args.pools for r in args.regimes]
+        plan += [("default", r, pool, s) for s in ([] if args.no_contrast else args.contrast_seeds)
+                 for pool in args.pools for r in args.regimes]
     todo = [] if args.table_only else [x for x in plan if not summary(run_dir(args.out, *x))]
     if not args.table_only:
         print(f"{len(plan) - len(todo)} of {len(plan)} runs finished already, {len(todo)} to run", flush=True)

@@ -1,0 +1,126 @@
+"""
+The course's experiments (docs/course.md), each a few runs of lesson.py on its simulated
+clock, and their tables. The numbers are the same on every machine, up to its floating
+point: a second run of this command prints the same tables.
+
+    .venv/bin/python tools/course.py                      # every experiment (~40 min on 2 cores, once)
+    .venv/bin/python tools/course.py regimes max_lag      # some of them
+    .venv/bin/python tools/course.py --table-only         # the tables from the runs on disk
+
+Runs go to out/course/<experiment>/<label>/; a finished run is not run again, and a run
+that two experiments share (the same lesson.py settings) runs once, in the first one's
+directory.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LONG = ("--preset", "long")
+EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
+    "regimes": ("the five regimes on the long preset, at the default costs",
+                [(r, (*LONG, "--regime", r)) for r in ("sync", "drain", "discard", "stale", "recompute")]),
+    "speed": ("stale tokens against the trainer's speed: --train-s, simulated seconds per trained token, "
+              "as a multiple of the default 1.16e-4",
+              [(f"--train-s {1.16 * x:g}e-4 (x{x:g})", (*LONG, "--regime", "stale", "--train-s", f"{1.16 * x:g}e-4"))
+               for x in (0.25, 0.5, 1, 2, 4)]),
+    "max_lag": ("how far ahead the generator may run (--max-lag), stale",
+                [(f"--max-lag {k}", (*LONG, "--regime", "stale", "--max-lag", str(k))) for k in (1, 2, 4)]),
+    "loss": ("the off-policy correction, stale",
+             [("--loss tis --is-cap 2", (*LONG, "--regime", "stale")),
+              ("--loss tis --is-cap 1.2", (*LONG, "--regime", "stale", "--is-cap", "1.2")),
+              ("--loss ppo", (*LONG, "--regime", "stale", "--loss", "ppo"))]),
+    "loss_agg": ("how the loss averages over tokens (--loss-agg), stale",
+                 [(f"--loss-agg {a}", (*LONG, "--regime", "stale", "--loss-agg", a))
+                  for a in ("token", "answer", "constant")]),
+    "answers": ("short answers (the default preset) against long ones, stale",
+                [("default preset", ("--regime", "stale")), ("--preset long", (*LONG, "--regime", "stale"))]),
+}
+TARGET = 0.55  # the long preset's target accuracy (RESULTS.md)
+
+
+def read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def finished(run):
+    """A run whose metrics reach its config's last step."""
+    try:
+        steps = json.load(open(os.path.join(run, "config.json")))["steps"]
+        return any(m.get("step") == steps for m in read(os.path.join(run, "metrics.jsonl")))
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def summary(run):
+    """One row: what the run's files say about staleness, time and learning."""
+    metrics = read(os.path.join(run, "metrics.jsonl"))
+    steps = [m for m in metrics if "trained_tokens" in m]
+    evals = [m for m in metrics if "eval_acc" in m]
+    tokens = sum(m["trained_tokens"] for m in steps)
+    ledger = json.load(open(os.path.join(run, "ledger.json")))
+    gen, trainer, total = ledger["seconds"].get("generator", {}), ledger["seconds"]["trainer"], ledger["total_s"]
+    per_token = lambda key: sum(m[key] * m["trained_tokens"] for m in steps) / tokens
+    reached = [m["wall_s"] for m in evals if m["eval_acc"] >= TARGET] if evals[0]["eval_acc"] < TARGET else []
+    return dict(final=evals[-1]["eval_acc"], start=evals[0]["eval_acc"], stale=per_token("stale_token_frac"),
+                lag=per_token("lag_mean"), spanning=sum(m["spanning_frac"] for m in steps) / len(steps),
+                gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / total,
+                waiting=trainer.get("waiting", 0) / total,
+                discarded=ledger["tokens"]["discarded"] / ledger["tokens"]["generated"],
+                recomputed=ledger["tokens"]["recomputed"] / ledger["tokens"]["generated"],
+                steps_per_min=60 * len(steps) / steps[-1]["wall_s"], to_target=reached[0] if reached else None,
+                wall=steps[-1]["wall_s"])
+
+
+def table(name, rows):
+    what, _ = EXPERIMENTS[name]
+    head = ("| | pass@1 start -> end | s to 0.55 | steps/min | stale tokens | lag | answers spanning a push "
+            "| generator idle or draining | trainer waiting | discarded / recomputed tokens |")
+    lines = [f"**{name}**: {what} (simulated seconds)", "", head, "|---" * 10 + "|"]
+    for label, s in rows:
+        lines.append(f"| {label} | {s['start']:.3f} -> {s['final']:.3f} | "
+                     + (f"{s['to_target']:.0f}" if s["to_target"] is not None else "-")
+                     + f" | {s['steps_per_min']:.1f} | {100 * s['stale']:.1f}% | {s['lag']:.2f} | "
+                     f"{100 * s['spanning']:.0f}% | {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% | "
+                     f"{100 * s['discarded']:.0f}% / {100 * s['recomputed']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("experiments", nargs="*", help=f"which of {', '.join(EXPERIMENTS)} (default: all)")
+    p.add_argument("--out", default=os.path.join("out", "course"), help="where the runs go")
+    p.add_argument("--table-only", action="store_true", help="no new runs: tables from the runs on disk")
+    args = p.parse_args()
+    unknown = [e for e in args.experiments if e not in EXPERIMENTS]
+    if unknown:
+        p.error(f"unknown experiment {unknown[0]!r}: choose from {', '.join(EXPERIMENTS)}")
+    import lesson
+    first = {}  # lesson.py's settings -> the first run directory that has them
+    for name, (_, runs) in EXPERIMENTS.items():
+        for label, flags in runs:
+            key = json.dumps(lesson.parse_config([*flags, "--out", "-"]), sort_keys=True)
+            first.setdefault(key, os.path.join(args.out, name, "".join(c for c in label.replace("--", "_")
+                                                                       if c.isalnum() or c in "._-")))
+    for name in args.experiments or EXPERIMENTS:
+        rows = []
+        for label, flags in EXPERIMENTS[name][1]:
+            run = first[json.dumps(lesson.parse_config([*flags, "--out", "-"]), sort_keys=True)]
+            if not finished(run):
+                if args.table_only:
+                    continue
+                print(f"{name}: lesson.py {' '.join(flags)} -> {run}", file=sys.stderr, flush=True)
+                subprocess.run([sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
+                               check=True, stdout=subprocess.DEVNULL)
+            rows.append((label, summary(run)))
+        print(table(name, rows) + "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

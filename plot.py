@@ -214,6 +214,12 @@ def legend_handles(versions):
     return h
 
 
+def per_token(steps, key):
+    """A metrics.jsonl key's mean over every trained token of `steps` (each step's value
+    weighted by its trained_tokens): the run's share, not the mean of its steps' shares."""
+    return sum(m[key] * m["trained_tokens"] for m in steps) / max(1, sum(m["trained_tokens"] for m in steps))
+
+
 def cost(run, regime):
     """What the regime paid in this run, from its ledger: a panel's title."""
     path = os.path.join(run, "ledger.json")
@@ -232,8 +238,7 @@ def cost(run, regime):
     if regime == "recompute":
         return f"{100 * tok['recomputed'] / max(1, tok['generated']):.0f}% of generated tokens prefilled again"
     steps = [m for m in read_jsonl(os.path.join(run, "metrics.jsonl")) if "trained_tokens" in m]
-    stale = sum(m["stale_token_frac"] * m["trained_tokens"] for m in steps) / max(1, sum(m["trained_tokens"] for m in steps))
-    return f"{100 * stale:.0f}% of trained tokens stale"
+    return f"{100 * per_token(steps, 'stale_token_frac'):.0f}% of trained tokens stale"
 
 
 def plot_answers(runs, window=None, lanes=24, out=None, engine=None):

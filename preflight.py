@@ -147,7 +147,7 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     largest = max(p.numel() for p in model.parameters())  # the embedding, on Qwen3
     layer_params = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
     H, L, I = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    head_dim = head_size(config)
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     layer = 4 * H + 2 * q + 2 * kv + 4 * I  # one layer's intermediates per token (elements)
     on_gpu = cfg["trainer_device"].startswith("cuda")
@@ -163,6 +163,11 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
             "logit chunks": 5 * min(logit_chunk_bytes, 4 * config.vocab_size * cfg["micro_batch_tokens"])}
 
 
+def head_size(config):
+    """Per attention head: the config's head_dim where it has one (Qwen3), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def engine_plan(config, dtype_bytes=2):
     """A generator engine's memory outside vLLM's budget (--gpu-memory-utilization of its
     GPU: weights, KV cache, activations), in bytes: a push. The engine's worker receives
@@ -172,7 +177,7 @@ def engine_plan(config, dtype_bytes=2):
     tensors and the layer built from them): the embedding (or lm_head), q+k+v (one fused
     module in vLLM) or gate+up. (Before: a whole second copy of the model, kept.)"""
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    head_dim = head_size(config)
     qkv = H * head_dim * (config.num_attention_heads + 2 * config.num_key_value_heads)
     return 2 * max(V * H, qkv, 2 * I * H) * dtype_bytes
 

@@ -21,6 +21,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from plot import per_token, read_jsonl  # noqa: E402
+
 LONG = ("--preset", "long")
 EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
     "regimes": ("the five regimes on the long preset, at the default costs",
@@ -44,32 +46,25 @@ EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
 TARGET = 0.55  # the long preset's target accuracy (RESULTS.md)
 
 
-def read(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def finished(run):
     """A run whose metrics reach its config's last step."""
     try:
         steps = json.load(open(os.path.join(run, "config.json")))["steps"]
-        return any(m.get("step") == steps for m in read(os.path.join(run, "metrics.jsonl")))
+        return any(m.get("step") == steps for m in read_jsonl(os.path.join(run, "metrics.jsonl")))
     except (OSError, ValueError, KeyError):
         return False
 
 
 def summary(run):
     """One row: what the run's files say about staleness, time and learning."""
-    metrics = read(os.path.join(run, "metrics.jsonl"))
+    metrics = read_jsonl(os.path.join(run, "metrics.jsonl"))
     steps = [m for m in metrics if "trained_tokens" in m]
     evals = [m for m in metrics if "eval_acc" in m]
-    tokens = sum(m["trained_tokens"] for m in steps)
     ledger = json.load(open(os.path.join(run, "ledger.json")))
     gen, trainer, total = ledger["seconds"].get("generator", {}), ledger["seconds"]["trainer"], ledger["total_s"]
-    per_token = lambda key: sum(m[key] * m["trained_tokens"] for m in steps) / tokens
     reached = [m["wall_s"] for m in evals if m["eval_acc"] >= TARGET] if evals[0]["eval_acc"] < TARGET else []
-    return dict(final=evals[-1]["eval_acc"], start=evals[0]["eval_acc"], stale=per_token("stale_token_frac"),
-                lag=per_token("lag_mean"), spanning=sum(m["spanning_frac"] for m in steps) / len(steps),
+    return dict(final=evals[-1]["eval_acc"], start=evals[0]["eval_acc"], stale=per_token(steps, "stale_token_frac"),
+                lag=per_token(steps, "lag_mean"), spanning=sum(m["spanning_frac"] for m in steps) / len(steps),
                 gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / total,
                 waiting=trainer.get("waiting", 0) / total,
                 discarded=ledger["tokens"]["discarded"] / ledger["tokens"]["generated"],

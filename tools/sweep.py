@@ -47,7 +47,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
-from plot import COLOURS as ACTIVITY_COLOURS, read_jsonl
+from plot import COLOURS as ACTIVITY_COLOURS, per_token, read_jsonl
 
 # Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
 # before the sweep: halfway from the start to the end of pilot sync runs of the preset
@@ -99,7 +99,7 @@ def summary(run):
                 cpu_curve=None if cpu0 is None else [(max(0.0, r.get("cpu_s", cpu0) - cpu0), r["eval_acc"])
                                                      for r in evals],
                 steps_per_min=len(steps) / ((steps[-1]["wall_s"] - first) / 60),
-                stale=sum(r["stale_token_frac"] * r["trained_tokens"] for r in steps) / trained,  # token-weighted
+                stale=per_token(steps, "stale_token_frac"),
                 lag=statistics.mean(r["lag_mean"] for r in steps),
                 spanning=statistics.mean(r["spanning_frac"] for r in steps),
                 gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / sum(gen.values()),

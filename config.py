@@ -5,6 +5,7 @@ run the same thing from the same flags. train.py adds the flags of its processes
 and devices; lesson.py those of its simulated clock.
 """
 
+from grpo import LOSSES
 from preflight import check_config
 
 
@@ -61,12 +62,25 @@ def add_flags(p):
     p.add_argument("--truncated", default="zero", choices=["zero", "filter"],
                    help="an answer cut at --max-new-tokens earns reward 0 (zero), and with filter is also left out "
                         "of the loss (DAPO's overlong filtering)")
-    p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="off-policy correction (grpo.py)")
+    p.add_argument("--loss", default="tis", choices=list(LOSSES),
+                   help="off-policy correction (grpo.LOSSES): none (mu ignored), tis, ppo (decoupled), icepop, geo, "
+                        "cispo, gspo")
+    p.add_argument("--minibatches", type=int, default=1,
+                   help="optimizer steps per batch: the batch cut into this many parts, one step each, before the "
+                        "weights are pushed (the policy then drifts within a batch, and PPO-style clips bind)")
     p.add_argument("--loss-agg", default="token", choices=["token", "answer", "constant"],
                    help="how the loss averages over tokens (token_weights): every token alike, every answer alike, "
                         "or a constant normaliser")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
-    p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss ppo")
+    p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss none, ppo, icepop, geo")
+    p.add_argument("--icepop-low", type=float, default=0.5, help="--loss icepop: pi_old/mu below this is masked")
+    p.add_argument("--icepop-high", type=float, default=5.0, help="--loss icepop: pi_old/mu above this is masked")
+    p.add_argument("--geo-threshold", type=float, default=1.001,
+                   help="--loss geo: an answer whose geometric mean pi_old/mu is outside [1/T, T] is masked")
+    p.add_argument("--cispo-eps-low", type=float, default=1.0, help="--loss cispo: weight >= 1 - this (1: no bound)")
+    p.add_argument("--cispo-eps-high", type=float, default=4.0, help="--loss cispo: weight <= 1 + this")
+    p.add_argument("--gspo-eps-low", type=float, default=3e-4, help="--loss gspo: sequence ratio clip below 1")
+    p.add_argument("--gspo-eps-high", type=float, default=4e-4, help="--loss gspo: sequence ratio clip above 1")
     p.add_argument("--max-lag", type=int, default=None,
                    help="AReaL's eta (default 1): admit a prompt only if it will be consumed at most this many versions "
                         "after the weights that start it (sync forces 0)")

@@ -22,12 +22,16 @@ def eval_prompts(tokenizer, problems, dataset):
             for p in problems]
 
 
-def pass_at_1(completions, problems, dataset, truncated=None):
-    """Share of problems answered right; an answer cut at the length cap (truncated) is wrong."""
+def grade(completions, problems, dataset, truncated=None):
+    """1.0 for each problem answered right, else 0.0; an answer cut at the length cap (truncated) is wrong."""
     from reward import score
     truncated = truncated or [False] * len(completions)
-    return sum(score(c, p["answer"], dataset) * (not cut)
-               for c, p, cut in zip(completions, problems, truncated)) / max(1, len(problems))
+    return [score(c, p["answer"], dataset) * (not cut) for c, p, cut in zip(completions, problems, truncated)]
+
+
+def pass_at_1(completions, problems, dataset, truncated=None):
+    """Share of problems answered right (grade)."""
+    return sum(grade(completions, problems, dataset, truncated)) / max(1, len(problems))
 
 
 def main():

@@ -9,20 +9,20 @@ The loss, and what it simplifies:
   wrong answer that at least puts something in a \\boxed{} (default 0: correctness only).
 - GRPO advantages: reward minus the group mean, over the group std (+1e-4); groups
   of --group-size answers to one prompt, consumed whole.
-- Off-policy correction per token with the generation-time logprobs as the
-  behaviour policy mu (they come from the weights that actually sampled each
-  token, stale KV included: the computation that really ran, so pi/mu is exact):
-    --loss tis  (default, PipelineRL-style): w = min(pi/mu, --is-cap), detached;
-                loss = -w * A * log pi
-    --loss ppo  (AReaL's decoupled PPO): prox = pi before this step (detached);
-                loss = -(prox/mu) * min(r*A, clip(r, 1-eps, 1+eps)*A), r = pi/prox.
-                With one optimizer step per batch (as here) r = 1 at the only
-                step, so the clip never binds and this equals uncapped IS.
+- Off-policy correction (--loss): mu is the probability the engine reported when it
+  sampled a token (stale KV included: only the engine knows it), pi the trained policy
+  now, pi_old the trained policy before this batch's first optimizer step. The ratio
+  pi/mu splits in two: (pi_old/mu), the sampler-trainer mismatch (numerics, stale KV,
+  lag), times (pi/pi_old), the policy's own drift over --minibatches steps. LOSSES
+  below: one small function each, its formula and source in its docstring.
+- --minibatches N: the batch cut into N optimizer steps (PPO's mini-batches; verl's
+  ppo_mini_batch_size), so the policy drifts within a batch and the clips of the
+  ppo-style losses bind; pi_old is then computed once, before the first (old_logprobs).
 - The mean over the batch's tokens (--loss-agg token: every token counts the same),
   or over answers of each answer's mean (answer: the original GRPO), or the sum over
   tokens over answers x --max-new-tokens (constant: Dr. GRPO), accumulated over
   micro-batches of --micro-batch-tokens (train_step), no KL term, no
-  entropy bonus, one optimizer step per batch, AdamW with a linear warmup
+  entropy bonus, AdamW with a linear warmup
   (--warmup-steps), then a constant or cosine-decayed learning rate (--lr-schedule).
 """
 
@@ -40,13 +40,17 @@ def advantages(rewards, group_size):
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
 
 
-def score_batch(cfg, tokenizer, batch):
+def score_batch(cfg, tokenizer, batch, version=None):
     """Rewards and GRPO advantages of a batch of finished answers (whole groups of
     --group-size, in order). An answer cut at --max-new-tokens earns 0 (reward.py), and
     with --truncated filter gets no gradient either (DAPO's overlong filtering).
-    Returns (advantages (answers,), what the step logs about its answers)."""
+    Returns (advantages (answers,), what the step logs about its answers). With
+    `version` (the weights this step trains), each answer also gets "lag" per token:
+    version minus the version that wrote it, which the step's diagnostics split by."""
     import torch
     from reward import boxed_answer, reward
+    for s in batch if version is not None else ():
+        s["lag"] = version - s["versions"]
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in batch], skip_special_tokens=True)
     truncated = torch.tensor([s["finish_reason"] == "length" for s in batch])
     rewards = torch.tensor([reward(t, s["answer"], cfg["dataset"], cfg["format_reward"], bool(cut))
@@ -144,13 +148,40 @@ def run_tokens(cfg, batch, adv):
     return sum(len(mb) * max(length(run[i]) for i in mb) for mb in micro_batches(run, cfg["micro_batch_tokens"]))
 
 
+def minibatches(n, k):
+    """The batch's n answers (whole groups, in order) cut into k parts, one optimizer step each."""
+    return [list(range(n * j // k, n * (j + 1) // k)) for j in range(k)]
+
+
+def old_logprobs(cfg, model, batch, adv, device, n_micro=0):
+    """pi_old: log pi of every answer token under the weights before the batch's first
+    optimizer step, stored in each answer as "old_logprobs" (no gradient: a forward per
+    micro-batch). Needed when --minibatches > 1; with one step per batch pi_old is the
+    step's own log pi, detached, and costs nothing. Answers whose advantage is 0 are
+    skipped, as train_step skips them."""
+    import torch
+    run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
+    mbs = micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"])
+    with torch.no_grad():
+        for _ in range(n_micro - len(mbs)):  # several ranks: the same number of forwards each (FSDP2)
+            empty = dict(prompt_ids=torch.zeros(1, dtype=torch.long), token_ids=torch.zeros(1, dtype=torch.long))
+            answer_logprobs(model, [empty], cfg["temperature"], device)
+        for idx in mbs:
+            mb = [batch[run[j]] for j in idx]
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+                logp = answer_logprobs(model, mb, cfg["temperature"], device).float().cpu()
+            for s, part in zip(mb, logp.split([len(s["token_ids"]) for s in mb])):
+                s["old_logprobs"] = part
+
+
 def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
     """Forward and backward of the whole batch, micro-batch by micro-batch
     (--micro-batch-tokens), gradients accumulating in .grad. Every token of answer i
     counts with weights[i], which token_weights computes for the *whole* batch (more
     than `batch` holds when it is one rank's share), so the gradient is that of the
-    batch's loss whatever the split. Returns the loss, and the sum of |log pi - log mu|
-    over the answer tokens it ran, and their number.
+    batch's loss whatever the split. Returns floats that add up over ranks: the loss,
+    the sum of |log pi - log mu| over the answer tokens it ran and their number, then
+    the off-policy sums (offpolicy_sums; offpolicy_metrics turns them into metrics).
 
     An answer whose advantage is 0 (its group's rewards all equal) adds exactly 0 to
     the loss and its gradient, so it is not run at all: the gradient is the same,
@@ -160,6 +191,7 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
     import torch
     run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
     loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+    diag = []  # per micro-batch: (log pi - log mu, clipped or masked, stale KV, lag), detached, on the CPU
     mbs = micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"])
     for _ in range(n_micro - len(mbs)):  # an empty micro-batch: one token through the model, weighted 0
         empty = dict(prompt_ids=torch.zeros(1, dtype=torch.long), token_ids=torch.zeros(1, dtype=torch.long))
@@ -170,14 +202,24 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
             logp = answer_logprobs(model, mb, cfg["temperature"], device)  # (N_mb,)
         behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)
+        old = (torch.cat([s["old_logprobs"] for s in mb]).to(device) if "old_logprobs" in mb[0]
+               else logp.detach())  # pi_old: before the batch's first step (one step per batch: this one)
         a = torch.cat([adv[i].expand(len(batch[i]["token_ids"])) for i in idx])
         w = torch.cat([weights[i].expand(len(batch[i]["token_ids"])) for i in idx])
-        loss = grpo_loss(cfg, logp, behaviour, a, w)
+        answer = torch.cat([torch.full((len(s["token_ids"]),), j) for j, s in enumerate(mb)]).to(device)
+        per_token, clipped = LOSSES[cfg["loss"]](cfg, logp, old, behaviour, a, answer)
+        loss = (per_token * w).sum()
         loss.backward()
         loss_sum += loss.detach()
         gap_sum += (logp.detach() - behaviour).abs().sum()
+        none = [torch.zeros(len(s["token_ids"]), dtype=torch.long) for s in mb]  # a sample without provenance
+        diag.append(((logp.detach() - behaviour).cpu(), clipped.cpu(),
+                     torch.cat([s.get("stale", z) for s, z in zip(mb, none)]).bool(),
+                     torch.cat([s.get("lag", z) for s, z in zip(mb, none)])))
     run_tokens = sum(len(batch[i]["token_ids"]) for i in run)
-    return loss_sum.item(), gap_sum.item(), run_tokens  # syncs: these, and `run` before any work is queued
+    # syncs: these, and `run` before any work is queued
+    sums = offpolicy_sums(*(torch.cat(x) for x in zip(*diag))) if diag else [0.0] * 5 * (1 + len(SPLITS))
+    return (loss_sum.item(), gap_sum.item(), run_tokens, *sums)
 
 
 def token_weights(cfg, batch):
@@ -195,19 +237,105 @@ def token_weights(cfg, batch):
     return torch.full_like(lengths, 1 / (len(batch) * cfg["max_new_tokens"]))
 
 
-def grpo_loss(cfg, logp, behaviour, adv, weight):
-    """logp, behaviour, adv, weight: (N,) per answer token. Returns the weighted sum
-    of the per-token surrogate (token_weights make it a mean)."""
+# -----------------------------------------------------------------------------
+# the off-policy corrections (--loss). Each takes per answer token (N,): logp = log pi
+# (with gradient), old = log pi_old and mu = log mu (no gradient), adv = A, answer = which
+# answer of the micro-batch the token belongs to; it returns the per-token loss and which
+# tokens it clipped or masked (their gradient is 0 or bounded). Loss weights (token_weights)
+# then make the sum a mean. Worked by hand in tests/test_losses.py.
+
+
+def ppo_clip(logp, old, adv, eps):
+    """PPO's clipped surrogate -min(r A, clip(r, 1-eps, 1+eps) A), r = pi/pi_old: once the
+    policy has moved a token's probability past the band in the direction A pushes it,
+    the token stops pulling (the clipped term is constant in pi). Returns it and where it binds."""
     import torch
-    if cfg["loss"] == "tis":
-        w = torch.exp(logp.detach() - behaviour).clamp(max=cfg["is_cap"])
-        per_token = -w * adv * logp
-    else:
-        prox = logp.detach()
-        r = torch.exp(logp - prox)
-        eps = cfg["clip_eps"]
-        per_token = -torch.exp(prox - behaviour) * torch.min(r * adv, r.clamp(1 - eps, 1 + eps) * adv)
-    return (per_token * weight).sum()
+    r = torch.exp(logp - old)
+    unclipped, clipped = r * adv, r.clamp(1 - eps, 1 + eps) * adv
+    return -torch.min(unclipped, clipped), clipped < unclipped
+
+
+def loss_none(cfg, logp, old, mu, adv, answer):
+    """The naive baseline: GRPO as written for on-policy data (DeepSeekMath, arXiv
+    2402.03300), PPO's clip against pi_old and mu ignored, as if the engine had sampled
+    from the trained weights. One step per batch: weight 1, the REINFORCE gradient -A grad log pi."""
+    return ppo_clip(logp, old, adv, cfg["clip_eps"])
+
+
+def loss_tis(cfg, logp, old, mu, adv, answer):
+    """Token-level truncated importance sampling (PipelineRL; Yao et al., "Your efficient
+    RL framework secretly brings you off-policy RL training", 2025): w = min(pi/mu, C),
+    detached, C = --is-cap; loss -w A log pi. A token the engine found much less likely
+    than the trainer does counts at most C times."""
+    import torch
+    ratio = torch.exp(logp.detach() - mu)
+    return -ratio.clamp(max=cfg["is_cap"]) * adv * logp, ratio > cfg["is_cap"]
+
+
+def loss_ppo(cfg, logp, old, mu, adv, answer):
+    """Decoupled PPO (Hilton et al., arXiv 2110.00641; AReaL, arXiv 2505.24298): PPO's clip
+    against pi_old (the drift), times the uncapped weight pi_old/mu (the mismatch)."""
+    import torch
+    surrogate, clipped = ppo_clip(logp, old, adv, cfg["clip_eps"])
+    return torch.exp(old - mu) * surrogate, clipped
+
+
+def loss_icepop(cfg, logp, old, mu, adv, answer):
+    """IcePop (Ling team, arXiv 2510.18855): decoupled PPO whose mismatch weight k = pi_old/mu
+    is kept inside [--icepop-low, --icepop-high] (0.5, 5 as published) and set to 0 outside:
+    a token the two sides disagree on too much gives no gradient at all, instead of a capped one."""
+    surrogate, clipped = ppo_clip(logp, old, adv, cfg["clip_eps"])
+    k = (old - mu).exp()
+    keep = (k >= cfg["icepop_low"]) & (k <= cfg["icepop_high"])
+    return k * keep * surrogate, clipped | ~keep
+
+
+def loss_geo(cfg, logp, old, mu, adv, answer):
+    """Sequence masking on the geometric mean ratio (verl's rollout correction, "Geo-RS";
+    Liu, Li et al., "When speed kills stability", 2025): rho = exp(mean over the answer's
+    tokens of log(pi_old/mu)); an answer with rho outside [1/T, T], T = --geo-threshold
+    (1.001, in verl's typical 1.0002-1.001), is left out whole; the rest train as on-policy
+    with PPO's clip. The mean, not the product, so long answers are not rejected for length."""
+    surrogate, clipped = ppo_clip(logp, old, adv, cfg["clip_eps"])
+    rho = answer_mean(old - mu, answer).exp()
+    keep = (rho >= 1 / cfg["geo_threshold"]) & (rho <= cfg["geo_threshold"])
+    return keep * surrogate, clipped | ~keep
+
+
+def loss_cispo(cfg, logp, old, mu, adv, answer):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): the weight pi/mu clipped to [1 - eps_low,
+    1 + eps_high] and detached, loss -w A log pi: clipping the weight, not the update, so
+    no token loses its gradient. MiniMax sets no lower bound (eps_low large: here 1, the
+    weight >= 0) and tunes eps_high (--cispo-eps-high) without publishing it."""
+    import torch
+    ratio = torch.exp(logp.detach() - mu)
+    w = ratio.clamp(1 - cfg["cispo_eps_low"], 1 + cfg["cispo_eps_high"])
+    return -w * adv * logp, w != ratio
+
+
+def loss_gspo(cfg, logp, old, mu, adv, answer):
+    """GSPO (Qwen, arXiv 2507.18071), its token form: one ratio per answer, s = exp(mean of
+    log(pi/mu)) over its tokens, against the engine's mu (the paper's pi_old is the policy
+    that sampled, and sequence likelihoods tolerate the engine's numerics), clipped to
+    [1 - 3e-4, 1 + 4e-4] (--gspo-eps-low/high, as published); each token's gradient is
+    s A grad log pi (s_t = sg(s) pi/sg(pi))."""
+    import torch
+    s = answer_mean(logp.detach() - mu, answer).exp() * torch.exp(logp - logp.detach())
+    unclipped, clipped = s * adv, s.clamp(1 - cfg["gspo_eps_low"], 1 + cfg["gspo_eps_high"]) * adv
+    return -torch.min(unclipped, clipped), clipped < unclipped
+
+
+LOSSES = dict(none=loss_none, tis=loss_tis, ppo=loss_ppo, icepop=loss_icepop, geo=loss_geo, cispo=loss_cispo,
+              gspo=loss_gspo)
+
+
+def answer_mean(x, answer):
+    """x (N,) per token -> each token gets the mean of x over its answer's tokens (N,)."""
+    import torch
+    n = int(answer.max()) + 1 if len(answer) else 0
+    total = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, answer, x)
+    count = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, answer, torch.ones_like(x))
+    return (total / count)[answer]
 
 
 def lr_at(cfg, step):
@@ -271,3 +399,34 @@ def generator_metrics(stats, prev, seconds):
                 gen_idle_s=stats["gen_idle_s"] - prev["gen_idle_s"],
                 **{k: stats[k] - prev[k] for k in ("discarded_tokens", "recomputed_tokens",
                                                    "preempted")})  # preempted: kept at 0 (engine.kv_capacity)
+
+
+SPLITS = ("fresh", "stale", "lag0", "lag1", "lag2")  # lag2: two versions or more
+
+
+def offpolicy_sums(log_ratio, clipped, stale, lag):
+    """Per trained token (N,): log(pi/mu) at the moment the token trained, whether the loss
+    clipped or masked it, whether it read stale KV, its lag. Returns sums that add up over
+    ranks and optimizer steps: for all tokens, then each of SPLITS, (tokens, sum of the
+    ratio pi/mu, of its square, of k3, clipped tokens)."""
+    import torch
+    ratio = log_ratio.double().exp()
+    k3 = ratio - 1 - log_ratio.double()  # Schulman's k3: an unbiased, never negative estimate of KL(mu || pi)
+    masks = (torch.ones_like(stale), ~stale, stale, lag == 0, lag == 1, lag >= 2)
+    return [float(v) for m in masks for v in (m.sum(), ratio[m].sum(), (ratio[m] ** 2).sum(), k3[m].sum(),
+                                                (clipped & m).sum())]
+
+
+def offpolicy_metrics(sums):
+    """How off-policy the step's trained tokens were, from offpolicy_sums (added over ranks
+    and steps): ess, the effective sample size of the weights pi/mu over the tokens,
+    (sum w)^2 / (n sum w^2), 1 when every weight is equal, near 1/n when one dominates;
+    clipped_frac, the share the loss clipped or masked; kl, the mean k3 estimate of
+    KL(mu || pi) in nats per token. Then the same per split (ess_stale, ...); None where a
+    split has no token."""
+    out = {}
+    for j, name in enumerate(("",) + tuple("_" + s for s in SPLITS)):
+        n, w, w2, k3, clipped = sums[5 * j:5 * j + 5]
+        out.update({f"ess{name}": w * w / (n * w2) if n else None, f"clipped_frac{name}": clipped / n if n else None,
+                    f"kl{name}": k3 / n if n else None})
+    return out

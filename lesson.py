@@ -50,9 +50,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every weight l
 
 import config
 from data import UsageError
-from eval import eval_prompts, pass_at_1
-from grpo import (as_tensors, batch_metrics, generator_metrics, lr_at, optimizer_step, run_tokens, score_batch,
-                  token_weights, train_step)
+from eval import eval_prompts, grade
+from grpo import (as_tensors, batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
+                  optimizer_step, run_tokens, score_batch, token_weights, train_step)
 from pace import Pool, pool_stats
 from preflight import check_budget, check_model, load_splits, model_path
 from regimes import make_regime
@@ -108,16 +108,27 @@ def fresh_run_dir(out):
 
 
 def train_on(cfg, model, opt, tokenizer, step, batch, version):
-    """The trainer's step: rewards and group advantages, the off-policy-corrected loss over
-    micro-batches, one AdamW step (grpo.py: train.py takes the same step, on each rank's share)."""
-    adv, scores = score_batch(cfg, tokenizer, batch)
+    """The trainer's step: rewards and group advantages, then --minibatches AdamW steps, each
+    on its part of the batch, the off-policy-corrected loss over micro-batches (grpo.py:
+    train.py takes the same steps, on each rank's share). Returns the step's metrics."""
+    adv, scores = score_batch(cfg, tokenizer, batch, version)
+    parts = minibatches(len(batch), cfg["minibatches"])
+    if len(parts) > 1:  # pi_old, before the first step moves the weights (a forward: a third of a step's work)
+        old_logprobs(cfg, model, batch, adv, "cpu")
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, step)
-    opt.zero_grad(set_to_none=True)
-    loss, gap, gap_tokens = train_step(cfg, model, batch, adv, token_weights(cfg, batch), "cpu")
-    grad_norm = optimizer_step(model, opt, loss)
-    return dict(**scores, loss=loss, grad_norm=grad_norm, behaviour_gap=gap / max(1, gap_tokens),
-                **batch_metrics(batch, adv, version), run_tokens=run_tokens(cfg, batch, adv))
+    total = None  # what the parts add up to: loss, |log pi - log mu|, its tokens, off-policy sums, grad norm
+    for idx in parts:
+        part = [batch[i] for i in idx]
+        opt.zero_grad(set_to_none=True)
+        out = train_step(cfg, model, part, adv[idx], token_weights(cfg, part), "cpu")
+        out = (*out, optimizer_step(model, opt, out[0]))
+        total = [a + b for a, b in zip(total, out)] if total else list(out)
+    loss, gap, gap_tokens, *sums, grad_norm = total
+    cost = sum(run_tokens(cfg, [batch[i] for i in idx], adv[idx]) for idx in parts)
+    return dict(**scores, loss=loss / len(parts), grad_norm=grad_norm / len(parts),
+                behaviour_gap=gap / max(1, gap_tokens), **offpolicy_metrics(sums), **batch_metrics(batch, adv, version),
+                run_tokens=cost + (run_tokens(cfg, batch, adv) / 3 if len(parts) > 1 else 0))
 
 
 def main(argv=None, engine=None):
@@ -148,16 +159,19 @@ def main(argv=None, engine=None):
     eval_ids = eval_prompts(tokenizer, test, cfg["dataset"])
     torch.manual_seed(cfg["seed"])  # vLLM samples from torch's generator: the same draws on every run
 
-    def evaluate():
-        """Greedy pass@1 of the generator's weights on the test problems; the engine's steps cost clock time."""
+    def evaluate(step, version):
+        """Greedy pass@1 of the generator's weights on the test problems, each answer kept in
+        eval_answers.jsonl; the engine's steps cost clock time."""
         answers = gen.evaluate(eval_ids, cfg["max_new_tokens"])
         texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
         cut = [reason == "length" for _, reason in answers]
-        return dict(eval_acc=pass_at_1(texts, test, cfg["dataset"], cut), eval_truncated_frac=sum(cut) / len(cut))
+        right = grade(texts, test, cfg["dataset"], cut)
+        log.evaluation(step, version, texts, test, cut, right)
+        return dict(eval_acc=sum(right) / max(1, len(test)), eval_truncated_frac=sum(cut) / len(cut))
 
     log.trainer("waiting")
     if cfg["eval_every"]:
-        log.metric(m := dict(step=0, wall_s=0.0, version=0, **evaluate(), eval_version=0))
+        log.metric(m := dict(step=0, wall_s=0.0, version=0, **evaluate(0, 0), eval_version=0))
         print(f"step 0 | eval v0 {m['eval_acc']:.3f}", flush=True)
     version, step = 0, 0  # the weights the trainer holds; optimizer steps taken
     push = None  # the trainer's new weights on their way to the generator: (version, when they are ready)
@@ -192,7 +206,7 @@ def main(argv=None, engine=None):
                 version, last_stats, last_t, push = push[0], dict(gen.stats), now, None
                 if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
                     log.trainer("evaluating")
-                    m.update(evaluate(), eval_version=version)  # the weights just loaded
+                    m.update(evaluate(step, version), eval_version=version)  # the weights just loaded
                 log.metric(m)
                 print(step_line(m), flush=True)
                 free_at = clock.now()

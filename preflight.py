@@ -44,6 +44,9 @@ def check_config(cfg, presets):
               "max_num_seqs", "engines"):
         if cfg.get(k) is not None and cfg[k] < 1:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
+    if cfg.get("minibatches", 1) < 1 or cfg.get("minibatches", 1) > cfg["prompts_per_step"] * cfg["group_size"]:
+        raise UsageError(f"--minibatches must be between 1 and the batch's answers "
+                         f"({cfg['prompts_per_step'] * cfg['group_size']}), got {cfg.get('minibatches')}")
     if cfg["group_size"] < 2:
         raise UsageError(f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "
                          f"(one answer has no group std), got {cfg['group_size']}")

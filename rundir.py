@@ -24,7 +24,7 @@ import time
 
 from data import UsageError
 
-LOGS = ("metrics.jsonl", "events.jsonl", "answers.jsonl")
+LOGS = ("metrics.jsonl", "events.jsonl", "answers.jsonl", "eval_answers.jsonl")
 
 
 def resume_config(run, steps, defaults):

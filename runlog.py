@@ -46,6 +46,7 @@ class RunLog:
         self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")
         self.events = open(os.path.join(out, "events.jsonl"), "a")
         self.answers_f = open(os.path.join(out, "answers.jsonl"), "a")
+        self.evals = open(os.path.join(out, "eval_answers.jsonl"), "a")
         self.activity = None
         self.clock = clock  # the time of a trainer activity or a step's answers: real, or lesson.py's simulated
 
@@ -81,11 +82,24 @@ class RunLog:
         self.answers_f.flush()
 
 
+    def evaluation(self, step, version, texts, problems, truncated, right):
+        """eval_answers.jsonl: each evaluation answer, after `step` with weights `version`:
+        the problem, the right answer, what the model wrote, whether it finished (not cut
+        at the length cap) and was graded right. So a learning claim can be read, not only counted."""
+        lines = [json.dumps(dict(step=step, version=version, problem=i, answer=p["answer"], text=t, finished=not cut,
+                                 right=bool(r)))
+                 for i, (t, p, cut, r) in enumerate(zip(texts, problems, truncated, right))]
+        self.evals.write("".join(line + "\n" for line in lines))
+        self.evals.flush()
+
+
 def step_line(m):
     """The log line of a step (metrics.jsonl has the same numbers, and more)."""
     return (f"step {m['step']} | v{m['version']} | reward {m['reward_mean']:.3f}"
             + (f" | eval v{m['eval_version']} {m['eval_acc']:.3f}" if "eval_acc" in m else "")
             + f" | stale {100 * m['stale_token_frac']:.1f}% | lag {m['lag_mean']:.2f}"
+            + (f" | ess {m['ess']:.3f} clipped {100 * m['clipped_frac']:.1f}% kl {m['kl']:.1e}"
+               if m.get("ess") is not None else "")
             + f" | {m['gen_tok_per_s']:.0f} tok/s | sync {m['sync_s']:.2f}s | idle {m['gen_idle_s']:.2f}s"
             + f" | wait {m['trainer_wait_s']:.2f}s")
 

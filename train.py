@@ -34,7 +34,8 @@ import config
 from data import UsageError
 from devices import prepare
 from grpo import (LOGIT_CHUNK_BYTES, TrainingDiverged, activation_checkpointing, batch_metrics, generator_metrics,
-                  lr_at, micro_batches, optimizer_step, run_tokens, score_batch, token_weights, train_step)
+                  lr_at, micro_batches, minibatches, offpolicy_metrics, old_logprobs, optimizer_step, run_tokens,
+                  score_batch, token_weights, train_step)
 from preflight import check_budget, check_kv_plan, check_memory_plan, check_model, load_splits
 from ranks import Ranks
 from rundir import cut_logs, load_trainer_state, resume_config, save_checkpoint
@@ -84,7 +85,7 @@ def main(argv=None):
     train_problems, test = load_splits(cfg)  # a bad file or flag stops the run here, in seconds
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from eval import eval_prompts, pass_at_1
+    from eval import eval_prompts, grade
     from generator import GeneratorHandle
     from pace import Pool, pool_stats
 
@@ -152,20 +153,22 @@ def main(argv=None):
         elif kind == "sample":
             pool.add(item)
 
-    def evaluate():
-        """Greedy pass@1 of the generator's weights; an answer cut at the length cap is wrong."""
+    def evaluate(step, version):
+        """Greedy pass@1 of the generator's weights (each answer in eval_answers.jsonl); an
+        answer cut at the length cap is wrong."""
         log.trainer("evaluating")
         answers, other = gen.evaluate(eval_prompt_ids, cfg["max_new_tokens"])
         for m in other:  # training answers that finished meanwhile
             intake(m)
         texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
         truncated = [reason == "length" for _, reason in answers]
-        return dict(eval_acc=pass_at_1(texts, test, cfg["dataset"], truncated),
-                    eval_truncated_frac=sum(truncated) / len(truncated))
+        right = grade(texts, test, cfg["dataset"], truncated)
+        log.evaluation(step, version, texts, test, truncated, right)
+        return dict(eval_acc=sum(right) / max(1, len(test)), eval_truncated_frac=sum(truncated) / len(truncated))
 
     try:
         if cfg["eval_every"] and start_step == 0:
-            m = dict(step=0, wall_s=0.0, version=version, **evaluate(), eval_version=version)
+            m = dict(step=0, wall_s=0.0, version=version, **evaluate(0, version), eval_version=version)
             log.metric(dict(m, wall_s=round(time.time() - t_start, 2)))
             print(f"step 0 | eval v0 {m['eval_acc']:.3f}", flush=True)
         for step in range(start_step + 1, cfg["steps"] + 1):
@@ -183,13 +186,14 @@ def main(argv=None):
 
             # 2. rewards and group-normalised advantages; an answer cut at the length cap earns 0
             log.trainer("training")
-            adv, scores = score_batch(cfg, tokenizer, batch)
-            weights = token_weights(cfg, batch)  # how the loss averages over the batch's tokens
+            adv, scores = score_batch(cfg, tokenizer, batch, version)
 
-            # 3. loss and one optimizer step (micro-batches accumulate into one gradient);
-            # several trainer ranks: each takes its share of the batch (ranks.py)
-            loss, behaviour_gap, grad_norm = optimize(cfg, model, opt, ranks, step, *ranks.scatter(
-                batch, adv, weights, lambda answers: len(micro_batches(answers, cfg["micro_batch_tokens"]))), device)
+            # 3. loss and --minibatches optimizer steps, each on its part of the batch (micro-batches
+            # accumulate into one gradient); several trainer ranks: each takes its share of each part (ranks.py)
+            count = lambda answers: len(micro_batches(answers, cfg["micro_batch_tokens"]))
+            parts = [ranks.scatter(part, adv[idx], token_weights(cfg, part), count)  # token_weights: of the whole part
+                     for idx in minibatches(len(batch), cfg["minibatches"]) for part in [[batch[i] for i in idx]]]
+            trained = optimize(cfg, model, opt, ranks, step, parts, device)
 
             # 4. push the new weights to the generator (drain holds the push until its answers finish)
             log.trainer("syncing")
@@ -201,7 +205,7 @@ def main(argv=None):
             # 5. log what explains the run, evaluate the new weights, save
             now, stats = time.time(), dict(gen.stats)
             m = dict(step=step, wall_s=round(now - t_start, 2), version=version, **scores,
-                     loss=loss, grad_norm=grad_norm, behaviour_gap=behaviour_gap, sync_s=sync_s,
+                     **trained, sync_s=sync_s,
                      trainer_wait_s=trainer_wait_s, stall_bound_s=round(gen.stall_bound(), 1),
                      **batch_metrics(batch, adv, version), run_tokens=run_tokens(cfg, batch, adv),
                      **pool_stats(batch_groups, rejected, pool.complete, version),
@@ -210,7 +214,7 @@ def main(argv=None):
                      **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}))
             last_stats, last_t, version = stats, now, new_version
             if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
-                m.update(evaluate(), eval_version=version)  # the weights just pushed: v+1
+                m.update(evaluate(step, version), eval_version=version)  # the weights just pushed: v+1
             log.metric(m)
             print(step_line(m), flush=True)
             if saves_at(cfg, step):
@@ -232,17 +236,26 @@ def main(argv=None):
         print("plot:", plot_run(cfg["out"]))
 
 
-def optimize(cfg, model, opt, ranks, step, batch, adv, weights, n_micro, device):
-    """One optimizer step on `batch` (this rank's share of the step's answers: all of
-    them with one rank), each answer's tokens weighted by `weights` (token_weights, of
-    the whole batch). Returns (loss, behaviour gap, gradient norm), over all ranks."""
+def optimize(cfg, model, opt, ranks, step, parts, device):
+    """--minibatches optimizer steps, one per part of the batch: `parts` holds this rank's
+    share of each (ranks.scatter: all of it with one rank), each answer's tokens weighted
+    by token_weights of the whole part. Several steps: pi_old first, before any weight
+    moves (grpo.old_logprobs). Returns what the steps log, over all ranks."""
     model.train()
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, step)
-    opt.zero_grad(set_to_none=True)
-    loss, gap, gap_tokens = ranks.sum(*train_step(cfg, model, batch, adv.to(device), weights.to(device), device,
-                                                  n_micro))
-    return loss, gap / max(1, gap_tokens), optimizer_step(model, opt, loss)
+    if len(parts) > 1:
+        for share, adv, _, n_micro in parts:
+            old_logprobs(cfg, model, share, adv.to(device), device, n_micro)
+    total = None  # what the parts add up to: loss, |log pi - log mu|, its tokens, off-policy sums, grad norm
+    for share, adv, weights, n_micro in parts:
+        opt.zero_grad(set_to_none=True)
+        out = ranks.sum(*train_step(cfg, model, share, adv.to(device), weights.to(device), device, n_micro))
+        out = (*out, optimizer_step(model, opt, out[0]))
+        total = [a + b for a, b in zip(total, out)] if total else list(out)
+    loss, gap, gap_tokens, *sums, grad_norm = total
+    return dict(loss=loss / len(parts), grad_norm=grad_norm / len(parts), behaviour_gap=gap / max(1, gap_tokens),
+                **offpolicy_metrics(sums))
 
 
 def follow(cfg, model, opt, ranks, start_step, gen_dtype, device):
@@ -250,7 +263,7 @@ def follow(cfg, model, opt, ranks, start_step, gen_dtype, device):
     batch rank 0 hands out, the same optimizer step, help gather the weights rank 0
     pushes and the checkpoints it saves. Rank 0 does everything else."""
     for step in range(start_step + 1, cfg["steps"] + 1):
-        optimize(cfg, model, opt, ranks, step, *ranks.scatter(), device)
+        optimize(cfg, model, opt, ranks, step, [ranks.scatter() for _ in range(cfg["minibatches"])], device)
         for _ in ranks.weights(model, gen_dtype)[1]:  # the gather is collective; rank 0 broadcasts
             pass
         if saves_at(cfg, step):

@@ -146,14 +146,17 @@ def test_two_processes_give_the_same_files(tmp_path):
         assert open(os.path.join(runs[0], name)).read() == open(os.path.join(runs[1], name)).read()
 
 
-def test_the_step_is_train_pys(tmp_path):
+@pytest.mark.parametrize("flags", [["--loss", "ppo", "--loss-agg", "answer"],  # the non-default paths
+                                   ["--loss", "gspo", "--minibatches", "2"]])
+def test_the_step_is_train_pys(flags, tmp_path):
     """lesson.train_on and train.py's optimize (one rank) on the same batch and
-    weights: the same loss, gradient norm and new weights, bit for bit."""
+    weights: the same loss, gradient norm and new weights, bit for bit; with several
+    optimizer steps per batch too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import train
-    from grpo import score_batch, token_weights
+    from grpo import minibatches, score_batch, token_weights
     from ranks import Ranks
-    cfg = lesson.parse_config(["--loss", "ppo", "--loss-agg", "answer"])  # the non-default paths
+    cfg = lesson.parse_config(flags)
     tok = AutoTokenizer.from_pretrained(cfg["model_path"])
     texts = ["3+4=7. #### 7", "3+4=8. #### 8", "5-1=4. #### 4", "nothing"] * 2  # two groups of 4
     cfg["group_size"] = 4
@@ -171,9 +174,10 @@ def test_the_step_is_train_pys(tmp_path):
     ours = lesson.train_on(cfg, models[0], opts[0], tok, 3, batch, 0)
     adv, scores = score_batch(cfg, tok, batch)
     assert adv.abs().sum() > 0 and scores["reward_mean"] == ours["reward_mean"] == 0.25
-    loss, _, grad_norm = train.optimize(cfg, models[1], opts[1], Ranks(), 3, batch, adv, token_weights(cfg, batch), 0,
-                                        "cpu")
-    assert (ours["loss"], ours["grad_norm"]) == (loss, grad_norm)
+    parts = [([batch[i] for i in idx], adv[idx], token_weights(cfg, [batch[i] for i in idx]), 0)
+             for idx in minibatches(len(batch), cfg["minibatches"])]
+    theirs = train.optimize(cfg, models[1], opts[1], Ranks(), 3, parts, "cpu")
+    assert (ours["loss"], ours["grad_norm"], ours["kl"]) == (theirs["loss"], theirs["grad_norm"], theirs["kl"])
     for (k, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(p, q), k
     assert not torch.equal(models[0].model.norm.weight, AutoModelForCausalLM.from_pretrained(

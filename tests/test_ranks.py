@@ -52,13 +52,15 @@ def the_batch():
 
 
 def step_cfg(loss):
-    return dict(loss=loss, is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=150,
+    from test_train import LOSS_CFG
+    return dict(LOSS_CFG, loss=loss, temperature=0.7, micro_batch_tokens=150, geo_threshold=1.2,  # geo: keeps some
                 loss_agg="answer" if loss == "ppo" else "token", max_new_tokens=160)
 
 
-def grads_job(out, loss, checkpointing):
+def grads_job(out, losses, checkpointing):
     """Run by each of 2 ranks (torchrun): the step of train.optimize, gradients gathered
-    (with activation checkpointing as train.py --grad-checkpointing on sets it up)."""
+    (with activation checkpointing as train.py --grad-checkpointing on sets it up), for
+    each of the comma-separated `losses` in turn."""
     import torch.distributed as dist
     import grpo
     from ranks import Ranks
@@ -70,22 +72,27 @@ def grads_job(out, loss, checkpointing):
         grpo.activation_checkpointing(model)
         model.train()
     model = ranks.shard(model)
-    cfg = step_cfg(loss)
-    share, share_adv, weights, n_micro = ranks.scatter(
-        batch, adv, grpo.token_weights(cfg, batch), lambda answers: len(grpo.micro_batches(answers, cfg["micro_batch_tokens"])))
-    mine = (sum(len(s["token_ids"]) for s in share), len(grpo.micro_batches(
-        [s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])))
-    total, gap, gap_tokens = ranks.sum(*grpo.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro))
-    grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
-    split = [None, None]
-    dist.all_gather_object(split, mine)
+    results = {}
+    for loss in losses.split(","):
+        cfg = step_cfg(loss)
+        share, share_adv, weights, n_micro = ranks.scatter(batch, adv, grpo.token_weights(cfg, batch), lambda answers: len(
+            grpo.micro_batches(answers, cfg["micro_batch_tokens"])))
+        mine = (sum(len(s["token_ids"]) for s in share), len(grpo.micro_batches(
+            [s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])))
+        model.zero_grad(set_to_none=True)
+        total, gap, gap_tokens, *_ = ranks.sum(*grpo.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro))
+        grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        split = [None, None]
+        dist.all_gather_object(split, mine)
+        results[loss] = dict(loss=total, gap=gap / gap_tokens, grads=grads, split=split, n_micro=n_micro)
     if ranks.is_main:
-        torch.save(dict(loss=total, gap=gap / gap_tokens, grads=grads, split=split, n_micro=n_micro), out)
+        torch.save(results, out)
     ranks.stop()
 
 
-@pytest.mark.parametrize("loss, checkpointing", [("tis", "off"), ("ppo", "off"), ("tis", "on")])
-def test_two_ranks_take_the_step_one_process_takes(loss, checkpointing, tmp_path):
+@pytest.mark.parametrize("losses, checkpointing", [("tis", "off"), ("ppo,none,icepop,geo,cispo,gspo", "off"),
+                                                    ("tis", "on")])
+def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, tmp_path):
     """The loss is the token-level mean over the whole batch whatever the ranks: the
     gradient gathered from 2 FSDP2 ranks over a split batch equals one process's on the
     whole batch (float32, relative 1e-5 of the largest entry), with uneven splits (one
@@ -95,18 +102,19 @@ def test_two_ranks_take_the_step_one_process_takes(loss, checkpointing, tmp_path
     process without it."""
     import grpo
     out = str(tmp_path / "grads.pt")
-    run(torchrun(HERE, "grads", out, loss, checkpointing))
-    got = torch.load(out, weights_only=False)
-    (tok0, mb0), (tok1, mb1) = got["split"]
-    assert tok0 != tok1 and mb0 != mb1 and got["n_micro"] == max(mb0, mb1)  # uneven
-    model, batch, adv = the_batch()
-    cfg = step_cfg(loss)
-    ref_loss, gap, gap_tokens = grpo.train_step(cfg, model, batch, adv, grpo.token_weights(cfg, batch), "cpu")
-    assert abs(got["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
-    assert abs(got["gap"] - gap / gap_tokens) <= 1e-5 * abs(gap / gap_tokens)
-    scale = max(p.grad.abs().max() for p in model.parameters())
-    for k, p in model.named_parameters():
-        assert (got["grads"][k] - p.grad).abs().max() <= 1e-5 * scale, k
+    run(torchrun(HERE, "grads", out, losses, checkpointing))
+    for loss, got in torch.load(out, weights_only=False).items():
+        (tok0, mb0), (tok1, mb1) = got["split"]
+        assert tok0 != tok1 and mb0 != mb1 and got["n_micro"] == max(mb0, mb1)  # uneven
+        model, batch, adv = the_batch()
+        cfg = step_cfg(loss)
+        ref_loss, gap, gap_tokens, *_ = grpo.train_step(cfg, model, batch, adv, grpo.token_weights(cfg, batch), "cpu")
+        assert abs(got["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), loss
+        assert abs(got["gap"] - gap / gap_tokens) <= 1e-5 * abs(gap / gap_tokens)
+        scale = max(p.grad.abs().max() for p in model.parameters())
+        assert scale > 0, f"{loss}: no gradient, the comparison proves nothing"
+        for k, p in model.named_parameters():
+            assert (got["grads"][k] - p.grad).abs().max() <= 1e-5 * scale, (loss, k)
 
 # -----------------------------------------------------------------------------
 # a push from 2 ranks reaches 2 engines exactly

@@ -55,11 +55,30 @@ def reference_grads(cfg, model, batch, adv):
         P, n = len(s["prompt_ids"]), len(s["token_ids"])
         logp[i, :n], mask[i, :n], mu[i, :n] = logp_all[i, P - 1:P - 1 + n], 1, s["logprobs"]
     A = adv[:, None]
-    if cfg["loss"] == "tis":
+    old = torch.zeros(len(batch), T)  # pi_old: given (several steps per batch) or pi itself, detached
+    for i, s in enumerate(batch):
+        old[i, :len(s["token_ids"])] = s["old_logprobs"] if "old_logprobs" in s else logp[i, :len(s["token_ids"])]
+    old = old.detach()
+    n = mask.sum(1, keepdim=True)
+    r = torch.exp(logp - old)
+    clip = lambda r: torch.min(r * A, r.clamp(0.8, 1.2) * A)  # PPO's, eps 0.2
+    if cfg["loss"] == "none":
+        per_token = -clip(r)
+    elif cfg["loss"] == "tis":
         per_token = -torch.exp(logp.detach() - mu).clamp(max=cfg["is_cap"]) * A * logp
-    else:
-        r = torch.exp(logp - logp.detach())
-        per_token = -torch.exp(logp.detach() - mu) * torch.min(r * A, r.clamp(0.8, 1.2) * A)
+    elif cfg["loss"] == "ppo":
+        per_token = -torch.exp(old - mu) * clip(r)
+    elif cfg["loss"] == "icepop":
+        k = torch.exp(old - mu)
+        per_token = -k * ((k >= 0.5) & (k <= 5)) * clip(r)
+    elif cfg["loss"] == "geo":
+        rho = torch.exp(((old - mu) * mask).sum(1, keepdim=True) / n)
+        per_token = -((rho >= 1 / cfg["geo_threshold"]) & (rho <= cfg["geo_threshold"])).float() * clip(r)
+    elif cfg["loss"] == "cispo":
+        per_token = -torch.exp(logp.detach() - mu).clamp(0, 5) * A * logp
+    else:  # gspo, with its published clip (3e-4, 4e-4)
+        s = torch.exp(((logp.detach() - mu) * mask).sum(1, keepdim=True) / n) * torch.exp(logp - logp.detach())
+        per_token = -torch.min(s * A, s.clamp(1 - 3e-4, 1 + 4e-4) * A)
     agg = cfg.get("loss_agg", "token")
     if agg == "token":
         loss = (per_token * mask).sum() / mask.sum()
@@ -75,22 +94,35 @@ ADVANTAGES = {"nonzero": [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1],
               "some zero": [1.0, 0.0, 0.5, -0.5, 0.0, -2.0, 0.0, -0.1]}  # train_step skips the zeros
 
 
+LOSS_CFG = dict(is_cap=2.0, clip_eps=0.2, icepop_low=0.5, icepop_high=5.0, geo_threshold=1.001, cispo_eps_low=1.0,
+                cispo_eps_high=4.0, gspo_eps_low=3e-4, gspo_eps_high=4e-4)  # config.py's defaults
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("advantages", sorted(ADVANTAGES))
-@pytest.mark.parametrize("loss, agg", [("tis", "token"), ("ppo", "token"), ("tis", "answer"), ("tis", "constant")])
-def test_micro_batched_gradients_equal_whole_batch(loss, agg, advantages, monkeypatch):
+@pytest.mark.parametrize("loss, agg, drift", [(name, "token", False) for name in grpo.LOSSES]
+                         + [(name, "token", True) for name in ("none", "ppo", "geo", "gspo")]
+                         + [("tis", "answer", False), ("tis", "constant", False), ("ppo", "answer", True)])
+def test_micro_batched_gradients_equal_whole_batch(loss, agg, drift, advantages, monkeypatch):
     """Whole batch in one micro-batch, and split into many with logits in chunks of 7
     positions: the same loss and gradient as the reference, to float32 rounding
     (relative 1e-5 of the largest gradient entry; measured ~1e-7). With some advantages
     0, train_step does not run those answers: still the reference's gradient. Each of
-    --loss-agg's three means, token_weights' weights against the reference's formula."""
+    --loss-agg's three means, token_weights' weights against the reference's formula;
+    every --loss, and with drift, a pi_old apart from pi (a later step of --minibatches),
+    so that the clips bind; geo with a threshold that keeps some answers and masks others."""
     model = small_model()
     batch = batch_of([3, 150, 7, 90, 1, 40, 64, 11])
     with torch.no_grad():  # behaviour logprobs near the model's, some ratios above the cap
         for s in batch:
             s["logprobs"] = torch.randn(len(s["token_ids"]), generator=torch.Generator().manual_seed(5)) - 4.6
+            if drift:  # log pi_old = log pi - noise: ratios pi/pi_old spread around 1, some past the clips
+                s["old_logprobs"] = answer_logprobs_of(model, s) - 0.3 * torch.randn(
+                    len(s["token_ids"]), generator=torch.Generator().manual_seed(6))
     adv = torch.tensor(ADVANTAGES[advantages])
-    cfg = dict(loss=loss, is_cap=2.0, clip_eps=0.2, temperature=0.7, loss_agg=agg, max_new_tokens=160)
+    cfg = dict(LOSS_CFG, loss=loss, temperature=0.7, loss_agg=agg, max_new_tokens=160)
+    if loss == "geo":  # here the answers' geometric mean pi/mu runs 0.90-1.56: 1.2 keeps five, masks three
+        cfg["geo_threshold"] = 1.2
     ref_loss, ref = reference_grads(cfg, model, batch, adv)
     monkeypatch.setattr(train, "LOGIT_CHUNK_BYTES", 7 * 4 * 97)  # 7 positions per logit chunk
     for budget in (100_000, 160, 40):  # one micro-batch; 4; 6 (the longest answers alone)
@@ -103,6 +135,13 @@ def test_micro_batched_gradients_equal_whole_batch(loss, agg, advantages, monkey
         scale = max(g.abs().max() for g in ref.values())
         for k, p in model.named_parameters():
             assert (p.grad - ref[k]).abs().max() <= 1e-5 * scale, f"{k}, budget {budget}"
+
+
+def answer_logprobs_of(model, s):
+    """log pi of one answer's tokens, at temperature 0.7, from the plain forward."""
+    ids = torch.cat([s["prompt_ids"], s["token_ids"]])[None]
+    logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / 0.7, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logp[len(s["prompt_ids"]) - 1:]
 
 
 def with_logprobs(batch):

@@ -1,0 +1,112 @@
+"""
+The off-policy corrections (grpo.LOSSES), each on three tokens worked by hand: the loss
+per token, its gradient with respect to log pi, and which tokens it clips or masks, as
+numbers written here, not computed by the code under test. Then the step's diagnostics
+(ESS, clipped share, KL) on two tokens, also by hand.
+
+    .venv/bin/python -m pytest -q tests/test_losses.py
+
+The three tokens. Tokens 0 and 1 belong to answer 0 (advantage +1), token 2 to answer 1
+(advantage -1). log pi = (-1, -2, -0.5). The ratios are chosen, and mu and pi_old follow:
+
+    token                     0      1      2
+    R = pi / mu               3.0    0.6    0.25     (what the engine sampled from vs now)
+    D = pi / pi_old           1.5    1.0    0.7      (the policy's drift since the batch began)
+    K = pi_old / mu = R / D   2.0    0.6    0.357143 (the sampler-trainer mismatch)
+
+PPO's clip (eps 0.2) on D: token 0 pushes up (A = +1) past 1.2, so min(1.5, 1.2) = 1.2 and
+its gradient is 0; token 1 sits at 1, loss -1, gradient -D A = -1; token 2 pushes down
+(A = -1) past 0.8, so min(-0.7, -0.8) = -0.8: loss 0.8, gradient 0.
+"""
+
+import math
+
+import pytest
+import torch
+
+import grpo
+
+LOGP = [-1.0, -2.0, -0.5]
+R, D = [3.0, 0.6, 0.25], [1.5, 1.0, 0.7]
+ADV, ANSWER = [1.0, 1.0, -1.0], [0, 0, 1]
+CFG = dict(clip_eps=0.2, is_cap=2.0, icepop_low=0.5, icepop_high=5.0, geo_threshold=1.5,
+           cispo_eps_low=0.5, cispo_eps_high=1.0, gspo_eps_low=0.2, gspo_eps_high=0.5)
+K2 = 0.25 / 0.7  # token 2's pi_old/mu
+S0 = math.sqrt(3.0 * 0.6)  # answer 0's GSPO ratio: the geometric mean of its tokens' R
+
+# name -> (loss per token, d loss / d log pi per token, clipped or masked)
+BY_HAND = {
+    # PPO's clip on D, mu ignored (see the docstring)
+    "none": ([-1.2, -1.0, 0.8], [0.0, -1.0, 0.0], [True, False, True]),
+    # w = min(R, 2) = (2, 0.6, 0.25); loss -w A log pi = (-2*1*-1, -0.6*1*-2, -0.25*-1*-0.5); gradient -w A
+    "tis": ([2.0, 1.2, -0.125], [-2.0, -0.6, 0.25], [True, False, False]),
+    # K times PPO's clipped term: (2 * -1.2, 0.6 * -1, K2 * 0.8); gradient K times (0, -1, 0)
+    "ppo": ([-2.4, -0.6, K2 * 0.8], [0.0, -0.6, 0.0], [True, False, True]),
+    # as ppo, but token 2's K = 0.357 is below 0.5: masked, no loss, no gradient
+    "icepop": ([-2.4, -0.6, 0.0], [0.0, -0.6, 0.0], [True, False, True]),
+    # answer 0: exp(mean(log 2, log 0.6)) = sqrt(1.2) = 1.095, inside [1/1.5, 1.5]: PPO's clip on D;
+    # answer 1: 0.357 < 0.667: masked whole
+    "geo": ([-1.2, -1.0, 0.0], [0.0, -1.0, 0.0], [True, False, True]),
+    # w = clip(R, 0.5, 2) = (2, 0.6, 0.5); loss -w A log pi = (2, 1.2, -0.25); gradient -w A
+    "cispo": ([2.0, 1.2, -0.25], [-2.0, -0.6, 0.5], [True, False, True]),
+    # answer 0: s = sqrt(3 * 0.6) = 1.342 < 1.5, unclipped: loss -s, gradient -s A on each token;
+    # answer 1: s = 0.25 pushed down past 0.8: loss 0.8, gradient 0
+    "gspo": ([-S0, -S0, 0.8], [-S0, -S0, 0.0], [False, False, True]),
+}
+
+
+@pytest.mark.fast
+def test_every_loss_is_worked_by_hand():
+    assert sorted(BY_HAND) == sorted(grpo.LOSSES)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", sorted(BY_HAND))
+def test_loss_by_hand(name):
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    mu = logp.detach() - torch.tensor(R, dtype=torch.float64).log()
+    old = logp.detach() - torch.tensor(D, dtype=torch.float64).log()
+    per_token, clipped = grpo.LOSSES[name](CFG, logp, old, mu, torch.tensor(ADV, dtype=torch.float64),
+                                           torch.tensor(ANSWER))
+    per_token.sum().backward()
+    want_loss, want_grad, want_clipped = BY_HAND[name]
+    assert per_token.tolist() == pytest.approx(want_loss, abs=1e-9)
+    assert logp.grad.tolist() == pytest.approx(want_grad, abs=1e-9)
+    assert clipped.tolist() == want_clipped
+
+
+@pytest.mark.fast
+def test_one_step_per_batch_none_is_reinforce_and_ppo_is_uncapped_is():
+    """With pi_old = pi (one optimizer step per batch) nothing clips in none or ppo: none's
+    gradient is -A (weight 1, mu ignored), ppo's -(pi/mu) A (importance sampling, uncapped)."""
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    mu = logp.detach() - torch.tensor(R, dtype=torch.float64).log()
+    adv = torch.tensor(ADV, dtype=torch.float64)
+    for name, want in (("none", [-1.0, -1.0, 1.0]), ("ppo", [-3.0, -0.6, 0.25])):
+        logp.grad = None
+        per_token, clipped = grpo.LOSSES[name](CFG, logp, logp.detach(), mu, adv, torch.tensor(ANSWER))
+        per_token.sum().backward()
+        assert logp.grad.tolist() == pytest.approx(want) and not clipped.any()
+
+
+@pytest.mark.fast
+def test_offpolicy_metrics_by_hand():
+    """Two tokens with pi/mu = 2 (fresh, lag 0, clipped) and 0.5 (stale KV, lag 3):
+    ESS (2 + 0.5)^2 / (2 (4 + 0.25)) = 0.735294; k3 = (w - 1 - log w): 0.306853 and
+    0.193147, mean 0.25; one of two clipped. Per split: each token alone, ESS 1."""
+    sums = grpo.offpolicy_sums(torch.tensor([math.log(2), math.log(0.5)]), torch.tensor([True, False]),
+                               torch.tensor([False, True]), torch.tensor([0, 3]))
+    m = grpo.offpolicy_metrics(sums)
+    assert m["ess"] == pytest.approx(0.735294, abs=1e-6) and m["kl"] == pytest.approx(0.25, abs=1e-6)
+    assert m["clipped_frac"] == 0.5
+    assert m["ess_fresh"] == pytest.approx(1) and m["kl_fresh"] == pytest.approx(0.306853, abs=1e-6)
+    assert m["clipped_frac_fresh"] == 1 and m["clipped_frac_stale"] == 0
+    assert m["kl_stale"] == pytest.approx(0.193147, abs=1e-6) and m["kl_lag2"] == m["kl_stale"]
+    assert m["kl_lag0"] == m["kl_fresh"] and m["ess_lag1"] is None  # no token at lag 1
+
+
+@pytest.mark.fast
+def test_minibatches_cut_the_batch_in_order():
+    assert grpo.minibatches(8, 1) == [list(range(8))]
+    assert grpo.minibatches(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grpo.minibatches(5, 2) == [[0, 1], [2, 3, 4]]

@@ -4,6 +4,14 @@ Plots of a run (or several, to compare regimes), drawn from its run directory.
     python plot.py out/run-a out/run-b ...           # reward, accuracy and the process timeline -> RUN/run.png
     python plot.py --answers RUN [--window T0 T1]    # half-written answers around a weight switch -> RUN/answers.png
     python plot.py --answers RUN_sync RUN_drain RUN_discard RUN_stale RUN_recompute --out regimes.png
+    python plot.py --curves out/stress/holds/stale_*-s* --out curves.png   # learning curves, seeds pooled
+
+The curves figure (metrics.jsonl): runs whose directory names differ only in a
+trailing -s<seed> are one line, the mean over seeds, with a band from the lowest to
+the highest seed: eval pass@1 against the step and against simulated (or wall-clock)
+seconds, the train batch's reward, and how off-policy each step's trained tokens
+were: the effective sample size of pi/mu, the share the loss clipped or masked, and
+the k3 estimate of KL(mu || pi) (grpo.offpolicy_metrics).
 
 The answers figure (answers.jsonl + events.jsonl): one lane per answer, x =
 wall-clock. Each token is drawn at the engine step that sampled it, coloured by the
@@ -276,18 +284,63 @@ def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
     return path, sels
 
 
+def plot_curves(groups, out, title=""):
+    """groups: {label: [run directories, one per seed]} -> the curves figure at `out` (see the docstring)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    panels = [("eval_acc", "step", "eval pass@1"), ("eval_acc", "wall_s", "eval pass@1"),
+              ("reward_mean", "step", "reward (train batch)"), ("ess", "step", "ESS of pi/mu (1: on-policy)"),
+              ("clipped_frac", "step", "share of tokens clipped or masked"), ("kl", "step", "KL(mu || pi), nats/token")]
+    for i, (label, runs) in enumerate(groups.items()):
+        metrics = [read_jsonl(os.path.join(r, "metrics.jsonl")) for r in runs]
+        for ax, (key, x, name) in zip(axes.flat, panels):
+            rows = [[m for m in ms if m.get(key) is not None and (key != "eval_acc" or "trained_tokens" in m
+                                                                  or m["step"] == 0)] for ms in metrics]
+            n = min(len(r) for r in rows)
+            if not n:
+                continue
+            xs = np.mean([[m[x] for m in r[:n]] for r in rows], 0)  # seeds share steps; seconds: their mean
+            ys = np.array([[m[key] for m in r[:n]] for r in rows])
+            ax.plot(xs, ys.mean(0), "o-" if key == "eval_acc" else "-", ms=3, color=f"C{i}", label=label)
+            ax.fill_between(xs, ys.min(0), ys.max(0), color=f"C{i}", alpha=0.15, lw=0)
+            ax.set_xlabel("simulated seconds" if x == "wall_s" else x)
+            ax.set_title(name, fontsize=10)
+    axes[1, 2].set_yscale("log")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(title + " (line: mean over seeds; band: lowest to highest seed)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def seed_groups(runs):
+    """Run directories grouped by name less a trailing -s<seed>: {label: [runs]}, in the order given."""
+    import re
+    groups = {}
+    for run in runs:
+        groups.setdefault(re.sub(r"-s\d+$", "", os.path.basename(os.path.normpath(run))), []).append(run)
+    return groups
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("runs", nargs="+", help="run directories (out/<run>)")
     p.add_argument("--answers", action="store_true", help="the answers figure (one panel per run) instead of run.png")
+    p.add_argument("--curves", action="store_true", help="learning curves and off-policy diagnostics, seeds pooled")
     p.add_argument("--window", nargs=2, type=float, metavar=("T0", "T1"),
                    help="answers alive between T0 and T1 s from the run's start (default: around a weight switch)")
     p.add_argument("--lanes", type=int, default=24, help="at most this many answers per panel")
     p.add_argument("--engine", type=int, default=None, help="--engines N runs: one engine's answers (default: all)")
     p.add_argument("--out", default=None, help="PNG path (default: RUN/answers.png, or the first RUN's answers_compare.png)")
     args = p.parse_args()
-    if args.answers:
+    if args.curves:
+        print(plot_curves(seed_groups(args.runs), args.out or os.path.join(args.runs[0], "curves.png")))
+    elif args.answers:
         print(plot_answers(args.runs, args.window, args.lanes, args.out, args.engine)[0])
     else:
         for run in args.runs:

@@ -33,12 +33,20 @@ EXERCISES = {
         graders=["tests/test_train.py::test_advantages_by_hand",
                  "tests/test_lesson.py::test_the_step_is_train_pys"]),
     "loss": dict(
-        where=("grpo.py", "grpo_loss"),
-        task="the per-token off-policy-corrected surrogate: tis = -min(pi/mu, is_cap) A log pi with the weight "
-             "detached; ppo = -(prox/mu) min(rA, clip(r) A), r = pi/prox; summed with each token's weight",
-        hint="logp is log pi (with a gradient), behaviour is log mu (from generation); "
-             "exp of their difference is pi/mu",
-        graders=["tests/test_train.py::test_micro_batched_gradients_equal_whole_batch"]),
+        where=("grpo.py", "loss_tis"),
+        task="token-level truncated importance sampling: w = min(pi/mu, is_cap), detached; per-token loss "
+             "-w A log pi; return it and which tokens the cap bound (pi/mu > is_cap)",
+        hint="logp is log pi (with a gradient), mu is log mu (from generation); exp of their difference is pi/mu",
+        graders=["tests/test_losses.py::test_loss_by_hand[tis]",
+                 "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[tis-token-False-nonzero]",
+                 "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[tis-answer-False-some zero]"]),
+    "correction": dict(
+        where=("grpo.py", "loss_icepop"),
+        task="IcePop: decoupled PPO whose mismatch weight k = pi_old/mu is kept inside [icepop_low, icepop_high] "
+             "and set to 0 outside; return the per-token loss and which tokens were clipped or masked",
+        hint="ppo_clip gives PPO's surrogate against pi_old and where it binds; loss_ppo is one line away",
+        graders=["tests/test_losses.py::test_loss_by_hand[icepop]",
+                 "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[icepop-token-False-nonzero]"]),
     "record": dict(
         where=("engine.py", "Rollout.record"),
         task="record a step's tokens: their version, logprobs and stale flag (sampled by `version` reading KV older "
@@ -76,8 +84,9 @@ EXERCISES = {
                 "behaviour = logp.detach()"),
         task="this copy runs, learns, and is wrong: find what in its metrics.jsonl no asynchronous run can show, "
              "then the line",
-        hint="look at behaviour_gap; then at what grpo_loss divides pi by",
-        graders=["tests/test_train.py::test_micro_batched_gradients_equal_whole_batch"]),
+        hint="look at behaviour_gap and kl; then at what the loss divides pi by",
+        graders=[f"tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[{loss}-token-False-nonzero]"
+                 for loss in ("tis", "ppo", "cispo")]),  # none ignores mu: it passes either way
     "silent_stale": dict(
         silent=("engine.py", "stale, n = self.kv_version < version, len(token_ids)",
                 "stale, n = self.kv_version < (self.versions[-1] if self.versions else version), len(token_ids)"),

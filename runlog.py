@@ -7,6 +7,7 @@ Every figure is drawn from these files (plot.py); rundir.py keeps them across a 
     metrics.jsonl   one line per optimizer step (and the evaluation at step 0)
     events.jsonl    the timeline: what each process was doing when (an activity, or a mark: a weight load, an eval)
     answers.jsonl   one line per answer a step consumed or the pool rejected: its provenance
+    eval_answers.jsonl  each evaluation's answers: the problem, the text, finished, right
     ledger.json     where the generated tokens and each process's time went (write_ledger)
     ckpt/           train.py: the last checkpoint, Hugging Face format (rundir.py)
 
@@ -21,7 +22,9 @@ tokens come from more than one version), loss_tokens, loss_stale_token_frac,
 loss_lag_mean (the same over the tokens the loss saw: answers whose advantage is not
 0), truncated_frac, boxed_frac, gen_tok_per_s, gen_idle_s, discarded_tokens,
 recomputed_tokens, preempted, sync_s (the push, from the end of the optimizer step to
-weights loaded), trainer_wait_s (waiting for the step's groups), PACE's
+weights loaded), trainer_wait_s (waiting for the step's groups); how off-policy the
+trained tokens were (grpo.offpolicy_metrics): ess, clipped_frac, kl, and each again with
+_fresh, _stale, _lag0, _lag1, _lag2 (None where no token falls in the group); PACE's
 rejected_groups, rejected_tokens, pool_size, gen_staleness_mean, wait_staleness_mean;
 and eval_acc, eval_truncated_frac, eval_version on evaluation steps. train.py adds
 cpu_s, stall_bound_s and, on a GPU, train_peak_gib (machine facts the simulation has no

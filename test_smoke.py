@@ -19,7 +19,7 @@ import pytest
 
 METRIC_KEYS = {"step", "wall_s", "version", "reward_mean", "loss", "trained_tokens", "stale_token_frac",
                "lag_mean", "spanning_frac", "gen_tok_per_s", "sync_s", "trainer_wait_s", "gen_idle_s",
-               "discarded_tokens", "recomputed_tokens"}
+               "discarded_tokens", "recomputed_tokens", "ess", "clipped_frac", "kl", "kl_stale", "kl_fresh"}
 ACTIVITIES = {"starting", "generating", "draining", "loading", "idle", "evaluating", "training", "syncing",
               "waiting", "saving", "done", "stopped"}
 SMALL = ["--eval-every", "3", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4",
@@ -42,7 +42,8 @@ def test_regime_end_to_end(regime, tmp_path):
     run = str(tmp_path / regime)
     # the one run that plots also turns the format reward on, so its line is drawn (tiny never boxes: 0)
     plot = ["--format-reward", "0.5", "--tensorboard"] if regime == "recompute" else ["--no-plot"]
-    train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *plot)
+    loss = ["--loss", "gspo", "--minibatches", "2"] if regime == "stale" else []  # several steps per batch
+    train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *plot, *loss)
     check_run(run, regime, steps=3)
     if regime == "recompute":  # --tensorboard: the same numbers as metrics.jsonl, read back
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -69,6 +70,11 @@ def check_run(run, regime, steps):
         assert 0 <= m["truncated_frac"] <= 1 and 0 <= m["loss_tokens"] <= m["trained_tokens"]
         assert m["lag_max"] <= (0 if regime == "sync" else cfg["max_lag"])
     assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
+    evals = read(run, "eval_answers.jsonl")  # every evaluation's answers, graded as eval_acc counts them
+    for m in read(run, "metrics.jsonl"):
+        if "eval_acc" in m:
+            mine = [a for a in evals if a["step"] == m["step"]]
+            assert len(mine) == cfg["eval_n"] and sum(a["right"] for a in mine) / len(mine) == m["eval_acc"]
     # an evaluation measures the weights pushed after its step: eval_version = version + 1
     assert all(m["eval_version"] == m["version"] + 1 for m in metrics if "eval_acc" in m)
     assert [m["version"] for m in metrics] == list(range(steps))

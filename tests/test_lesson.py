@@ -106,6 +106,20 @@ def test_max_lag_bounds_the_lag(max_lag, tmp_path):
     assert max(m["lag_max"] for m in metrics) == max_lag
 
 
+def test_ppo_clip_binds_with_several_steps_per_batch(tmp_path):
+    """One optimizer step per batch: pi_old = pi, so PPO's clip never binds (clipped share
+    0). --minibatches 4 at a large learning rate: the policy drifts within the batch and
+    the clip binds on some tokens; every step's metrics hold the off-policy diagnostics."""
+    hot = ("--loss", "ppo", "--steps", "2", "--prompts-per-step", "8", "--lr", "1e-3", "--warmup-steps", "1")
+    one = read(run("sync", tmp_path / "one", *hot), "metrics.jsonl")
+    four = read(run("sync", tmp_path / "four", *hot, "--minibatches", "4"), "metrics.jsonl")
+    trained = lambda metrics: [m for m in metrics if m.get("ess") is not None]  # a step that trained tokens
+    assert trained(one) and all(m["clipped_frac"] == 0 for m in trained(one))
+    assert any(m["clipped_frac"] > 0 for m in trained(four))
+    for m in trained(four):
+        assert 0 < m["ess"] <= 1 and m["kl"] >= 0 and {"ess_stale", "kl_lag2", "clipped_frac_fresh"} <= set(m)
+
+
 @pytest.mark.parametrize("regime", ["stale", "drain"])
 def test_weights_load_when_the_clock_says(regime, tmp_path):
     """A push is ready --train-s x the step's run tokens after it starts; the load runs

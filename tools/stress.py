@@ -18,7 +18,8 @@ breaks, at the last (most off-policy) setting.
 Stage 2 (holds), at that setting, seeds 0-2: `stale` with every --loss; then the best
 correction (rule: the highest mean final pass@1 over the seeds, ties to the earlier in
 grpo.LOSSES, `none` excluded) on `recompute` (stale KV against KV rebuilt under the new
-weights) and on `sync` (nothing off-policy: the reference).
+weights) and on `sync` (nothing off-policy: the reference); and `recompute --loss none`
+(stale KV against rebuilt KV when nothing corrects either).
 
 Tables: final pass@1 at equal steps (every run takes the preset's steps) and at equal simulated
 time (the earliest end among the runs compared: each run's last evaluation at or before it),
@@ -197,10 +198,11 @@ def holds(out, setting, jobs, table_only):
     complete = [(k, v) for k, v in rows if len(v) == len(SEEDS) and k != "stale none"]
     best = max(complete, key=lambda kv: statistics.mean(r["final"] for r in kv[1]))[0].split()[1] if complete else "tis"
     regimes = ensure(out, "holds", [(f"recompute {best}", ("--regime", "recompute", "--loss", best, *flags)),
-                                    (f"sync {best}", ("--regime", "sync", "--loss", best, *flags))],
+                                    (f"sync {best}", ("--regime", "sync", "--loss", best, *flags)),
+                                    ("recompute none", ("--regime", "recompute", "--loss", "none", *flags))],
                      jobs, table_only)
     rows2 = [(k, [read_run(r) for r in v]) for k, v in [(f"stale {best}", losses[f"stale {best}"]),
-                                                         *regimes.items()] if v]
+                                                         *regimes.items(), ("stale none", losses["stale none"])] if v]
     return [table(f"**holds: every --loss on stale**, at {label} (`{' '.join(flags)}`)", rows, "stale none"),
             f"best correction by the rule: {best}",
             table(f"**holds: stale against recompute against sync**, at {label}", rows2, f"sync {best}")]
@@ -216,7 +218,7 @@ def main():
     args = p.parse_args()
     setting, tables = pilot(args.out, args.jobs, args.table_only or "pilot" not in args.stages)
     if "pilot" in args.stages:
-        print("\n\n".join(tables) + f"\n\nstage 2 runs at: {setting[0]}\n", flush=True)
+        print("\n\n".join(tables) + (f"\n\nstage 2 runs at: {setting[0]}\n" if setting else "\n"), flush=True)
     if setting is None and ("holds" in args.stages or args.figure):
         sys.exit("stress.py: the pilot has not finished, so no setting is chosen yet: run `tools/stress.py pilot` first")
     if "holds" in args.stages:

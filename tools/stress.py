@@ -203,9 +203,19 @@ def holds(out, setting, jobs, table_only):
                      jobs, table_only)
     rows2 = [(k, [read_run(r) for r in v]) for k, v in [(f"stale {best}", losses[f"stale {best}"]),
                                                          *regimes.items(), ("stale none", losses["stale none"])] if v]
+    missing = [k for k, v in [*losses.items(), *regimes.items()] if len(v) < len(SEEDS)]
+    runs = dict(rows2)
+    kv = [f"stale KV against rebuilt KV, {name}: stale - recompute = "
+          + paired_t([r["final"] for r in runs[f"stale {name}"]], [r["final"] for r in runs[f"recompute {name}"]])
+          + " points at equal steps, "
+          + paired_t([at_time(r["curve"], t) for r in runs[f"stale {name}"]],
+                     [at_time(r["curve"], t) for r in runs[f"recompute {name}"]]) + f" at {t:.0f} s"
+          for name in (best, "none") if len(runs.get(f"stale {name}", [])) == len(runs.get(f"recompute {name}", [])) > 1
+          for t in [min(r["curve"][-1][1] for r in runs[f"stale {name}"] + runs[f"recompute {name}"])]]
     return [table(f"**holds: every --loss on stale**, at {label} (`{' '.join(flags)}`)", rows, "stale none"),
-            f"best correction by the rule: {best}",
-            table(f"**holds: stale against recompute against sync**, at {label}", rows2, f"sync {best}")]
+            f"best correction by the rule: {best}" + (f" (so far: {', '.join(missing)} not finished)" if missing else ""),
+            table(f"**holds: stale against recompute against sync**, at {label}", rows2, f"sync {best}")
+            if regimes[f"sync {best}"] else f"(sync {best} not run yet)", *kv]
 
 
 def main():
@@ -226,10 +236,13 @@ def main():
     if args.figure:
         from plot import plot_curves
         from grpo import LOSSES
-        runs = {name: [run_dir(args.out, "holds", f"stale {name}", s) for s in SEEDS] for name in LOSSES}
+        runs = {f"stale {name}": [run_dir(args.out, "holds", f"stale {name}", s) for s in SEEDS] for name in LOSSES}
+        runs.update({label: [run_dir(args.out, "holds", label, s) for s in SEEDS]  # the on-policy reference
+                     for label in sorted(os.listdir(os.path.join(args.out, "holds")))
+                     if label.startswith("sync_") and label.endswith("-s0") for label in [label[:-3].replace("_", " ")]})
         print("figure:", plot_curves({k: [r for r in v if finished(r)] for k, v in runs.items()},
                                      os.path.join(ROOT, "docs", "stress-curves.png"),
-                                     f"every --loss on stale, {setting[0]} (seeds {SEEDS[0]}-{SEEDS[-1]})"))
+                                     f"every --loss on stale, and sync, at {setting[0]} (seeds {SEEDS[0]}-{SEEDS[-1]})"))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ lesson.py runs the same Generator and regimes in one process, on a simulated clo
 read it first; this file is what real concurrency adds.
 """
 
+import contextlib
+import math
 import os
 import queue
 import sys
@@ -68,11 +70,18 @@ def buffer_device(backend, worker_device):
     return worker_device if backend == "nccl" else "cpu"
 
 
-def receive_broadcast(engine, version, specs):
+# How far an engine's receiving runs ahead of vLLM's loader: bytes received and not yet
+# loaded, beyond the module vLLM is building. The trainer waits for the load only when the
+# engine is this far behind; the engine holds this much more memory during a push
+# (preflight.engine_plan). See WeightReceiver.receive_weights.
+PUSH_AHEAD_BYTES = 64 * 2**20
+
+
+def receive_broadcast(engine, version, specs, ahead_bytes=PUSH_AHEAD_BYTES):
     """Generator.receive in the generator process: the trainer broadcasts the weights
     (`specs` says which tensors, in order); the worker receives and loads them. Returns,
     with several engines, when the last one joined the push (None with one)."""
-    return engine.collective_rpc("receive_weights", args=(version, specs))[0]
+    return engine.collective_rpc("receive_weights", args=(version, specs, ahead_bytes))[0]
 
 
 class WeightReceiver:
@@ -83,33 +92,81 @@ class WeightReceiver:
         self.weight_group = init_weight_group(host, port, rank, world_size, backend)
         self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
 
-    def receive_weights(self, version, specs):
-        """Join the push, then receive each tensor when vLLM's loader asks for the next
-        one, into a buffer of its own, and load it. No engine step runs before this
-        returns, so nothing samples from a half-loaded model. Returns, with several
-        engines, the time every engine had joined (before that, this one was waiting
-        for the others to finish draining: idle, not loading); None with one."""
+    def receive_weights(self, version, specs, ahead_bytes):
+        """Join the push, then receive every tensor into a buffer of its own on a thread,
+        which runs ahead of vLLM's loader by at most `ahead_bytes` of received tensors the
+        loader has not taken yet, while this thread loads them. The trainer is released
+        (the ack) once the last tensor has arrived, not once it is loaded. No engine step
+        runs before this returns, so nothing samples from a half-loaded model; a push that
+        breaks halfway raises here, and the generator process ends. Returns, with several
+        engines, the time every engine had joined (before that, this one was waiting for
+        the others to finish draining: idle, not loading); None with one."""
+        import threading
         import torch
         device = buffer_device(self.weight_backend, self.device)
         self.weight_group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # all engines here
         joined = time.time() if self.weight_group.size() > 2 else None
+        # The engine's memory holds no second copy of the model: vLLM's layerwise reload keeps
+        # a received tensor only until its module (q+k+v, gate+up, an embedding) is complete,
+        # then copies it in place and lets it go (vllm/model_executor/model_loader/reload/
+        # layerwise.py). Each tensor gets a fresh buffer (a reused one would be overwritten
+        # while vLLM still holds it). Besides what vLLM holds (about a module), the buffers
+        # received and not yet taken are at most `ahead_bytes`, or one tensor when a single
+        # one is larger (preflight.engine_plan).
+        arrived = queue.Queue()  # (name, tensor), then None after the ack, or the exception that broke the push
+        waiting = [0]  # bytes received (or being received) that the loader has not taken
+        room = threading.Condition()
+        # On a GPU the receiving thread has a CUDA stream of its own: on the loader's stream each
+        # broadcast would wait for the load kernels queued before it, and the transfer and the
+        # load would run in series again.
+        stream = torch.cuda.Stream(device) if str(device).startswith("cuda") else None
 
-        def received():
-            # The engine's memory holds no second copy of the model: vLLM's layerwise reload
-            # keeps a received tensor only until its module (q+k+v, gate+up, an embedding) is
-            # complete, then copies it in place and lets it go (vllm/model_executor/model_loader/
-            # reload/layerwise.py). So each tensor gets a fresh buffer (a reused one would be
-            # overwritten while vLLM still holds it) and at most about a module is held at once
-            # (preflight.engine_plan). The ack goes after the last tensor has arrived.
-            for name, dtype, shape in specs:
-                t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                self.weight_group.broadcast(t, root=0).wait()
+        def receive():  # the receiving thread: the only user of the weight group until it ends
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for name, dtype, shape in specs:
+                        dtype = getattr(torch, dtype)
+                        size = math.prod(shape) * dtype.itemsize
+                        with room:
+                            room.wait_for(lambda: waiting[0] == 0 or waiting[0] + size <= ahead_bytes)
+                            waiting[0] += size
+                        t = torch.empty(shape, dtype=dtype, device=device)
+                        self.weight_group.broadcast(t, root=0).wait()
+                        if stream is not None:  # NCCL's wait() orders streams; the budget counts bytes arrived
+                            stream.synchronize()
+                        arrived.put((name, t))
+                    self.weight_group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)).wait()
+                arrived.put(None)
+            except BaseException as e:  # a dead trainer or engine: "Connection closed by peer"
+                arrived.put(e)
+
+        n = 0  # tensors handed to the loader
+
+        def received():  # what vLLM's loader iterates over, in this thread
+            nonlocal n
+            while (item := arrived.get()) is not None:
+                if isinstance(item, BaseException):
+                    # vLLM would put the old tensors back into the layers it got nothing for and
+                    # build the half-received ones from what arrived: never step on that
+                    raise RuntimeError(f"the push of v{version} broke after {n} of {len(specs)} tensors; "
+                                       "this engine's weights are half loaded, so it stops") from item
+                name, t = item
+                if stream is not None:  # allocated on the receiving stream, freed after the loader's use
+                    t.record_stream(torch.cuda.current_stream())
+                with room:
+                    waiting[0] -= t.numel() * t.element_size()
+                    room.notify()
+                n += 1
                 yield name, t
-            self.weight_group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)).wait()
+        receiver = threading.Thread(target=receive, daemon=True, name="inflight-receive-weights")
+        receiver.start()
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
         self.reload_weights(weights_iterator=received())
+        if n < len(specs):  # vLLM's loader stopped taking tensors: some layers were not loaded
+            raise RuntimeError(f"vLLM loaded {n} of the {len(specs)} tensors of v{version}; this engine stops")
+        receiver.join()  # done: the ack was the last thing it sent
         return joined
 
 # -----------------------------------------------------------------------------
@@ -201,7 +258,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
         watchdog then knows which engines never came), then take the broadcast."""
         stall_test_hook("push", version, cfg.get("engine", 0))
         joined.value = version
-        return receive_broadcast(engine, version, specs)
+        return receive_broadcast(engine, version, specs, cfg.get("push_ahead_bytes", PUSH_AHEAD_BYTES))
     gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive)
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
     samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,

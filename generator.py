@@ -15,7 +15,6 @@ lesson.py runs the same Generator and regimes in one process, on a simulated clo
 read it first; this file is what real concurrency adds.
 """
 
-import contextlib
 import math
 import os
 import queue
@@ -93,80 +92,71 @@ class WeightReceiver:
         self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
 
     def receive_weights(self, version, specs, ahead_bytes):
-        """Join the push, then receive every tensor into a buffer of its own on a thread,
-        which runs ahead of vLLM's loader by at most `ahead_bytes` of received tensors the
-        loader has not taken yet, while this thread loads them. The trainer is released
-        (the ack) once the last tensor has arrived, not once it is loaded. No engine step
-        runs before this returns, so nothing samples from a half-loaded model; a push that
-        breaks halfway raises here, and the generator process ends. Returns, with several
-        engines, the time every engine had joined (before that, this one was waiting for
-        the others to finish draining: idle, not loading); None with one."""
-        import threading
+        """Join the push, then receive every tensor into a buffer of its own, the broadcasts
+        posted ahead of what vLLM's loader has taken by at most `ahead_bytes`, so that the
+        transfer goes on (on the process group's own threads, or NCCL's stream) while the
+        loader loads. The trainer is released (the ack) once the last tensor has arrived,
+        not once it is loaded. No engine step runs before this returns, so nothing samples
+        from a half-loaded model; a push that breaks halfway raises here, and the generator
+        process ends. Returns, with several engines, the time every engine had joined
+        (before that, this one was waiting for the others to finish draining: idle, not
+        loading); None with one."""
+        import collections
         import torch
         device = buffer_device(self.weight_backend, self.device)
-        self.weight_group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # all engines here
-        joined = time.time() if self.weight_group.size() > 2 else None
+        group = self.weight_group
+        group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # all engines here
+        joined = time.time() if group.size() > 2 else None
         # The engine's memory holds no second copy of the model: vLLM's layerwise reload keeps
         # a received tensor only until its module (q+k+v, gate+up, an embedding) is complete,
         # then copies it in place and lets it go (vllm/model_executor/model_loader/reload/
         # layerwise.py). Each tensor gets a fresh buffer (a reused one would be overwritten
         # while vLLM still holds it). Besides what vLLM holds (about a module), the buffers
-        # received and not yet taken are at most `ahead_bytes`, or one tensor when a single
-        # one is larger (preflight.engine_plan).
-        arrived = queue.Queue()  # (name, tensor), then None after the ack, or the exception that broke the push
-        waiting = [0]  # bytes received (or being received) that the loader has not taken
-        room = threading.Condition()
-        # On a GPU the receiving thread has a CUDA stream of its own: on the loader's stream each
-        # broadcast would wait for the load kernels queued before it, and the transfer and the
-        # load would run in series again.
-        stream = torch.cuda.Stream(device) if str(device).startswith("cuda") else None
+        # posted and not yet taken are at most `ahead_bytes`, or one tensor when a single one
+        # is larger (preflight.engine_plan). The posting is done here, by the loader's thread,
+        # not by a receiving thread: that thread waited up to 5 ms for the GIL after every
+        # tensor while the loader ran Python (0.4 s a push for 91 tensors), and its buffers
+        # came from a malloc arena of its own, which the loader's frees never shrank.
+        posted = collections.deque()  # (name, buffer, the broadcast's work), in send order
+        ahead, done, ack = 0, 0, []  # bytes posted and not taken; tensors taken; the ack's work
 
-        def receive():  # the receiving thread: the only user of the weight group until it ends
+        def received():  # what vLLM's loader iterates over
+            nonlocal ahead
+            for name, dtype, shape in specs:
+                dtype = getattr(torch, dtype)
+                size = math.prod(shape) * dtype.itemsize
+                while posted and ahead + size > ahead_bytes:  # wait for the oldest, hand it over
+                    yield take()
+                t = torch.empty(shape, dtype=dtype, device=device)
+                posted.append((name, t, group.broadcast(t, root=0)))
+                ahead += size
+            while posted:
+                yield take()
+
+        def take():
+            nonlocal ahead, done
+            name, t, work = posted.popleft()
             try:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    for name, dtype, shape in specs:
-                        dtype = getattr(torch, dtype)
-                        size = math.prod(shape) * dtype.itemsize
-                        with room:
-                            room.wait_for(lambda: waiting[0] == 0 or waiting[0] + size <= ahead_bytes)
-                            waiting[0] += size
-                        t = torch.empty(shape, dtype=dtype, device=device)
-                        self.weight_group.broadcast(t, root=0).wait()
-                        if stream is not None:  # NCCL's wait() orders streams; the budget counts bytes arrived
-                            stream.synchronize()
-                        arrived.put((name, t))
-                    self.weight_group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)).wait()
-                arrived.put(None)
-            except BaseException as e:  # a dead trainer or engine: "Connection closed by peer"
-                arrived.put(e)
-
-        n = 0  # tensors handed to the loader
-
-        def received():  # what vLLM's loader iterates over, in this thread
-            nonlocal n
-            while (item := arrived.get()) is not None:
-                if isinstance(item, BaseException):
-                    # vLLM would put the old tensors back into the layers it got nothing for and
-                    # build the half-received ones from what arrived: never step on that
-                    raise RuntimeError(f"the push of v{version} broke after {n} of {len(specs)} tensors; "
-                                       "this engine's weights are half loaded, so it stops") from item
-                name, t = item
-                if stream is not None:  # allocated on the receiving stream, freed after the loader's use
-                    t.record_stream(torch.cuda.current_stream())
-                with room:
-                    waiting[0] -= t.numel() * t.element_size()
-                    room.notify()
-                n += 1
-                yield name, t
-        receiver = threading.Thread(target=receive, daemon=True, name="inflight-receive-weights")
-        receiver.start()
+                work.wait()
+            except RuntimeError as e:  # a dead trainer or engine: "Connection closed by peer"
+                # vLLM would put the old tensors back into the layers it got nothing for and
+                # build the half-received ones from what arrived: never step on that
+                raise RuntimeError(f"the push of v{version} broke after {done} of {len(specs)} tensors; "
+                                   "this engine's weights are half loaded, so it stops") from e
+            if t.is_cuda:  # NCCL's wait() only orders the streams: hold the CPU until the bytes are here
+                torch.cuda.current_stream().synchronize()  # (and the loads queued before), so `ahead` is true
+            ahead -= t.numel() * t.element_size()
+            done += 1
+            if done == len(specs):  # every byte is here: release the trainer before the last load
+                ack.append(group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)))
+            return name, t
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
         self.reload_weights(weights_iterator=received())
-        if n < len(specs):  # vLLM's loader stopped taking tensors: some layers were not loaded
-            raise RuntimeError(f"vLLM loaded {n} of the {len(specs)} tensors of v{version}; this engine stops")
-        receiver.join()  # done: the ack was the last thing it sent
+        if done < len(specs):  # vLLM's loader stopped taking tensors: some layers were not loaded
+            raise RuntimeError(f"vLLM loaded {done} of the {len(specs)} tensors of v{version}; this engine stops")
+        ack[0].wait()
         return joined
 
 # -----------------------------------------------------------------------------

@@ -168,18 +168,23 @@ def head_size(config):
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def engine_plan(config, dtype_bytes=2):
+def engine_plan(config, dtype_bytes=2, ahead_bytes=None):
     """A generator engine's memory outside vLLM's budget (--gpu-memory-utilization of its
     GPU: weights, KV cache, activations), in bytes: a push. The engine's worker receives
-    each tensor into a buffer of its own, and vLLM's layerwise reload keeps a module's
-    tensors until the module is complete, then builds the layer and copies it in place
-    (generator.WeightReceiver): at most two of the largest module at once (its received
-    tensors and the layer built from them): the embedding (or lm_head), q+k+v (one fused
-    module in vLLM) or gate+up. (Before: a whole second copy of the model, kept.)"""
+    each tensor into a buffer of its own, on a thread that runs ahead of vLLM's loader by
+    at most `ahead_bytes` (generator.PUSH_AHEAD_BYTES) or one tensor, whichever is larger;
+    vLLM's layerwise reload keeps a module's tensors until the module is complete, then
+    builds the layer and copies it in place (generator.WeightReceiver): two of the largest
+    module at once (its received tensors and the layer built from them): the embedding
+    (or lm_head), q+k+v (one fused module in vLLM) or gate+up. (Before issue 36: a whole
+    second copy of the model, kept.)"""
+    if ahead_bytes is None:
+        from generator import PUSH_AHEAD_BYTES as ahead_bytes
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = head_size(config)
     qkv = H * head_dim * (config.num_attention_heads + 2 * config.num_key_value_heads)
-    return 2 * max(V * H, qkv, 2 * I * H) * dtype_bytes
+    largest_tensor = max(V * H, I * H, H * head_dim * config.num_attention_heads) * dtype_bytes
+    return 2 * max(V * H, qkv, 2 * I * H) * dtype_bytes + max(ahead_bytes, largest_tensor)
 
 
 def check_memory_plan(cfg, logit_chunk_bytes, world=1):

@@ -323,6 +323,21 @@ def stall_test_hook(kind, n, engine):
         while True:
             time.sleep(3600)
 
+def die_test_hook(version, specs, tensors):
+    """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_DIE_IN_PUSH=V in the environment
+    the trainer kills itself (-9) once it has sent half the tensors of the push of version
+    V, as a trainer lost halfway through a push."""
+    if version != int(os.environ.get("INFLIGHT_TEST_DIE_IN_PUSH", 0)):
+        return tensors
+
+    def halfway():
+        import signal
+        for i, t in enumerate(tensors):
+            if i == len(specs) // 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield t
+    return halfway()
+
 # -----------------------------------------------------------------------------
 # the trainer's handle on the generator process
 
@@ -565,7 +580,7 @@ class GeneratorHandle:
         watchdog.daemon = True
         watchdog.start()
         try:
-            held = send_weights(self.group, tensors, self.transfer_device)
+            held = send_weights(self.group, die_test_hook(self.version, specs, tensors), self.transfer_device)
         except RuntimeError as e:  # a dead peer breaks the broadcast: say why it died
             watchdog.cancel()
             watchdog.join()  # a report being written: wait for it

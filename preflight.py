@@ -171,20 +171,20 @@ def head_size(config):
 def engine_plan(config, dtype_bytes=2, ahead_bytes=None):
     """A generator engine's memory outside vLLM's budget (--gpu-memory-utilization of its
     GPU: weights, KV cache, activations), in bytes: a push. The engine's worker receives
-    each tensor into a buffer of its own, on a thread that runs ahead of vLLM's loader by
-    at most `ahead_bytes` (generator.PUSH_AHEAD_BYTES) or one tensor, whichever is larger;
-    vLLM's layerwise reload keeps a module's tensors until the module is complete, then
-    builds the layer and copies it in place (generator.WeightReceiver): two of the largest
-    module at once (its received tensors and the layer built from them): the embedding
-    (or lm_head), q+k+v (one fused module in vLLM) or gate+up. (Before issue 36: a whole
-    second copy of the model, kept.)"""
+    each tensor into a buffer of its own, posted ahead of vLLM's loader by at most
+    `ahead_bytes` (generator.PUSH_AHEAD_BYTES; a larger tensor is posted alone, once the
+    loader has taken all before it), and vLLM's layerwise reload keeps a module's tensors
+    until the module is complete, then builds the layer and copies it in place
+    (generator.WeightReceiver): two of the largest module at once (its received tensors
+    and the layer built from them): the embedding (or lm_head), q+k+v (one fused module
+    in vLLM) or gate+up; plus the run-ahead. (Before issue 36: a whole second copy of the
+    model, kept.)"""
     if ahead_bytes is None:
         from generator import PUSH_AHEAD_BYTES as ahead_bytes
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = head_size(config)
     qkv = H * head_dim * (config.num_attention_heads + 2 * config.num_key_value_heads)
-    largest_tensor = max(V * H, I * H, H * head_dim * config.num_attention_heads) * dtype_bytes
-    return 2 * max(V * H, qkv, 2 * I * H) * dtype_bytes + max(ahead_bytes, largest_tensor)
+    return 2 * max(V * H, qkv, 2 * I * H) * dtype_bytes + ahead_bytes
 
 
 def check_memory_plan(cfg, logit_chunk_bytes, world=1):

@@ -86,7 +86,8 @@ def bench_sync(args):
     env, = prepare(cfg)
     device = cfg["trainer_device"]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    plan = engine_plan(AutoConfig.from_pretrained(path), dtype.itemsize, cfg["push_ahead_bytes"])
+    plan = engine_plan(AutoConfig.from_pretrained(path), dtype.itemsize, cfg["push_ahead_bytes"],
+                       on_cpu=not cfg["gen_devices"][0].startswith("cuda"))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     sd = model.state_dict()
     n_bytes = sum(t.numel() * t.element_size() for t in sd.values())

@@ -113,10 +113,12 @@ class WeightReceiver:
         # layerwise.py). Each tensor gets a fresh buffer (a reused one would be overwritten
         # while vLLM still holds it). Besides what vLLM holds (about a module), the buffers
         # posted and not yet taken are at most `ahead_bytes`, or one tensor when a single one
-        # is larger (preflight.engine_plan). The posting is done here, by the loader's thread,
-        # not by a receiving thread: that thread waited up to 5 ms for the GIL after every
-        # tensor while the loader ran Python (0.4 s a push for 91 tensors), and its buffers
-        # came from a malloc arena of its own, which the loader's frees never shrank.
+        # is larger (preflight.engine_plan). The posting is done here, by the loader's thread:
+        # a receiving thread of our own (tried first) blocked the trainer longer (2.26x a raw
+        # broadcast in bench_sync, one push of 44 s) and grew the engine more (220 MiB above its
+        # start), likely because it needed the GIL after every tensor while the loader ran
+        # Python, and allocated from a malloc arena of its own that the loader's frees never
+        # shrank. The group's own threads need no GIL.
         posted = collections.deque()  # (name, buffer, the broadcast's work), in send order
         ahead, done, ack = 0, 0, []  # bytes posted and not taken; tensors taken; the ack's work
 

@@ -15,6 +15,7 @@ lesson.py runs the same Generator and regimes in one process, on a simulated clo
 read it first; this file is what real concurrency adds.
 """
 
+import math
 import os
 import queue
 import sys
@@ -68,11 +69,18 @@ def buffer_device(backend, worker_device):
     return worker_device if backend == "nccl" else "cpu"
 
 
-def receive_broadcast(engine, version, specs):
+# How far an engine's receiving runs ahead of vLLM's loader: bytes received and not yet
+# loaded, beyond the module vLLM is building. The trainer waits for the load only when the
+# engine is this far behind; the engine holds this much more memory during a push
+# (preflight.engine_plan). See WeightReceiver.receive_weights.
+PUSH_AHEAD_BYTES = 64 * 2**20
+
+
+def receive_broadcast(engine, version, specs, ahead_bytes=PUSH_AHEAD_BYTES):
     """Generator.receive in the generator process: the trainer broadcasts the weights
     (`specs` says which tensors, in order); the worker receives and loads them. Returns,
     with several engines, when the last one joined the push (None with one)."""
-    return engine.collective_rpc("receive_weights", args=(version, specs))[0]
+    return engine.collective_rpc("receive_weights", args=(version, specs, ahead_bytes))[0]
 
 
 class WeightReceiver:
@@ -83,33 +91,74 @@ class WeightReceiver:
         self.weight_group = init_weight_group(host, port, rank, world_size, backend)
         self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
 
-    def receive_weights(self, version, specs):
-        """Join the push, then receive each tensor when vLLM's loader asks for the next
-        one, into a buffer of its own, and load it. No engine step runs before this
-        returns, so nothing samples from a half-loaded model. Returns, with several
-        engines, the time every engine had joined (before that, this one was waiting
-        for the others to finish draining: idle, not loading); None with one."""
+    def receive_weights(self, version, specs, ahead_bytes):
+        """Join the push, then receive every tensor into a buffer of its own, the broadcasts
+        posted ahead of what vLLM's loader has taken by at most `ahead_bytes`, so that the
+        transfer goes on (on the process group's own threads, or NCCL's stream) while the
+        loader loads. The trainer is released (the ack) once the last tensor has arrived,
+        not once it is loaded. No engine step runs before this returns, so nothing samples
+        from a half-loaded model; a push that breaks halfway raises here, and the generator
+        process ends. Returns, with several engines, the time every engine had joined
+        (before that, this one was waiting for the others to finish draining: idle, not
+        loading); None with one."""
+        import collections
         import torch
         device = buffer_device(self.weight_backend, self.device)
-        self.weight_group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # all engines here
-        joined = time.time() if self.weight_group.size() > 2 else None
+        group = self.weight_group
+        group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # all engines here
+        joined = time.time() if group.size() > 2 else None
+        # The engine's memory holds no second copy of the model: vLLM's layerwise reload keeps
+        # a received tensor only until its module (q+k+v, gate+up, an embedding) is complete,
+        # then copies it in place and lets it go (vllm/model_executor/model_loader/reload/
+        # layerwise.py). Each tensor gets a fresh buffer (a reused one would be overwritten
+        # while vLLM still holds it). Besides what vLLM holds (about a module), the buffers
+        # posted and not yet taken are at most `ahead_bytes`, or one tensor when a single one
+        # is larger (preflight.engine_plan). The posting is done here, by the loader's thread:
+        # a receiving thread of our own (tried first) blocked the trainer longer (2.26x a raw
+        # broadcast in bench_sync, one push of 44 s) and grew the engine more (220 MiB above its
+        # start), likely because it needed the GIL after every tensor while the loader ran
+        # Python, and allocated from a malloc arena of its own that the loader's frees never
+        # shrank. The group's own threads need no GIL.
+        posted = collections.deque()  # (name, buffer, the broadcast's work), in send order
+        ahead, done, ack = 0, 0, []  # bytes posted and not taken; tensors taken; the ack's work
 
-        def received():
-            # The engine's memory holds no second copy of the model: vLLM's layerwise reload
-            # keeps a received tensor only until its module (q+k+v, gate+up, an embedding) is
-            # complete, then copies it in place and lets it go (vllm/model_executor/model_loader/
-            # reload/layerwise.py). So each tensor gets a fresh buffer (a reused one would be
-            # overwritten while vLLM still holds it) and at most about a module is held at once
-            # (preflight.engine_plan). The ack goes after the last tensor has arrived.
+        def received():  # what vLLM's loader iterates over
+            nonlocal ahead
             for name, dtype, shape in specs:
-                t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                self.weight_group.broadcast(t, root=0).wait()
-                yield name, t
-            self.weight_group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)).wait()
+                dtype = getattr(torch, dtype)
+                size = math.prod(shape) * dtype.itemsize
+                while posted and ahead + size > ahead_bytes:  # wait for the oldest, hand it over
+                    yield take()
+                t = torch.empty(shape, dtype=dtype, device=device)
+                posted.append((name, t, group.broadcast(t, root=0)))
+                ahead += size
+            while posted:
+                yield take()
+
+        def take():
+            nonlocal ahead, done
+            name, t, work = posted.popleft()
+            try:
+                work.wait()
+            except RuntimeError as e:  # a dead trainer or engine: "Connection closed by peer"
+                # vLLM would put the old tensors back into the layers it got nothing for and
+                # build the half-received ones from what arrived: never step on that
+                raise RuntimeError(f"the push of v{version} broke after {done} of {len(specs)} tensors; "
+                                   "this engine's weights are half loaded, so it stops") from e
+            if t.is_cuda:  # NCCL's wait() only orders the streams: hold the CPU until the bytes are here
+                torch.cuda.current_stream().synchronize()  # (and the loads queued before), so `ahead` is true
+            ahead -= t.numel() * t.element_size()
+            done += 1
+            if done == len(specs):  # every byte is here: release the trainer before the last load
+                ack.append(group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)))
+            return name, t
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
         self.reload_weights(weights_iterator=received())
+        if done < len(specs):  # vLLM's loader stopped taking tensors: some layers were not loaded
+            raise RuntimeError(f"vLLM loaded {done} of the {len(specs)} tensors of v{version}; this engine stops")
+        ack[0].wait()
         return joined
 
 # -----------------------------------------------------------------------------
@@ -201,7 +250,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
         watchdog then knows which engines never came), then take the broadcast."""
         stall_test_hook("push", version, cfg.get("engine", 0))
         joined.value = version
-        return receive_broadcast(engine, version, specs)
+        return receive_broadcast(engine, version, specs, cfg.get("push_ahead_bytes", PUSH_AHEAD_BYTES))
     gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive)
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
     samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,
@@ -275,6 +324,21 @@ def stall_test_hook(kind, n, engine):
             and os.environ.get("INFLIGHT_TEST_STALL_ENGINE", str(engine)) == str(engine):
         while True:
             time.sleep(3600)
+
+def die_test_hook(version, specs, tensors):
+    """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_DIE_IN_PUSH=V in the environment
+    the trainer kills itself (-9) once it has sent half the tensors of the push of version
+    V, as a trainer lost halfway through a push."""
+    if version != int(os.environ.get("INFLIGHT_TEST_DIE_IN_PUSH", 0)):
+        return tensors
+
+    def halfway():
+        import signal
+        for i, t in enumerate(tensors):
+            if i == len(specs) // 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield t
+    return halfway()
 
 # -----------------------------------------------------------------------------
 # the trainer's handle on the generator process
@@ -518,7 +582,7 @@ class GeneratorHandle:
         watchdog.daemon = True
         watchdog.start()
         try:
-            held = send_weights(self.group, tensors, self.transfer_device)
+            held = send_weights(self.group, die_test_hook(self.version, specs, tensors), self.transfer_device)
         except RuntimeError as e:  # a dead peer breaks the broadcast: say why it died
             watchdog.cancel()
             watchdog.join()  # a report being written: wait for it

@@ -171,18 +171,26 @@ def head_size(config):
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def engine_plan(config, dtype_bytes=2):
+def engine_plan(config, dtype_bytes=2, ahead_bytes=None, on_cpu=False):
     """A generator engine's memory outside vLLM's budget (--gpu-memory-utilization of its
     GPU: weights, KV cache, activations), in bytes: a push. The engine's worker receives
-    each tensor into a buffer of its own, and vLLM's layerwise reload keeps a module's
-    tensors until the module is complete, then builds the layer and copies it in place
-    (generator.WeightReceiver): at most two of the largest module at once (its received
-    tensors and the layer built from them): the embedding (or lm_head), q+k+v (one fused
-    module in vLLM) or gate+up. (Before: a whole second copy of the model, kept.)"""
+    each tensor into a buffer of its own, posted ahead of vLLM's loader by at most
+    `ahead_bytes` (generator.PUSH_AHEAD_BYTES; a larger tensor is posted alone, once the
+    loader has taken all before it), and vLLM's layerwise reload keeps a module's tensors
+    until the module is complete, then builds the layer and copies it in place
+    (generator.WeightReceiver): two of the largest module at once (its received tensors
+    and the layer built from them): the embedding (or lm_head), q+k+v (one fused module
+    in vLLM) or gate+up; plus the run-ahead. On CPU a third: vLLM packs each rebuilt linear
+    weight for oneDNN (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py)
+    while the old packing is still held (bench_sync, 192 MiB model, 64 MiB ahead: 98 MiB
+    at the peak, where two modules and the run-ahead are 88). (Before issue 36: a whole
+    second copy of the model, kept.)"""
+    if ahead_bytes is None:
+        from generator import PUSH_AHEAD_BYTES as ahead_bytes
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = head_size(config)
     qkv = H * head_dim * (config.num_attention_heads + 2 * config.num_key_value_heads)
-    return 2 * max(V * H, qkv, 2 * I * H) * dtype_bytes
+    return (3 if on_cpu else 2) * max(V * H, qkv, 2 * I * H) * dtype_bytes + ahead_bytes
 
 
 def check_memory_plan(cfg, logit_chunk_bytes, world=1):
@@ -195,7 +203,8 @@ def check_memory_plan(cfg, logit_chunk_bytes, world=1):
     need = sum(plan.values())
     print("trainer memory plan: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
           + f" -> {need / 2**30:.1f} GiB", flush=True)
-    push = engine_plan(config, 2 if cfg["gen_devices"][0].startswith("cuda") else 4)
+    on_gpu = cfg["gen_devices"][0].startswith("cuda")
+    push = engine_plan(config, 2 if on_gpu else 4, on_cpu=not on_gpu)
     print(f"generator memory plan, per engine: vLLM's share of its GPU ({cfg['gen_memory_utilization']}) + a push's "
           f"buffers outside it, {push / 2**30:.2f} GiB", flush=True)
     for device in sorted({d for d in cfg["gen_devices"] if d.startswith("cuda")} - {cfg["trainer_device"]}):

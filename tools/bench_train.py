@@ -78,7 +78,7 @@ def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
         print(f"| {name} | {n / 1e9:.2f}B | " + " | ".join(f"{sum(p.values()) / 2**30:.1f}" for p in plans) + " |")
     from preflight import engine_plan
     print("\n| GiB per generator engine, beside vLLM's share of its GPU | parameters (bf16) | a push's buffers, now "
-          "(one module) | before (a second copy of the model) | 80 GB card at 0.85: left outside |")
+          "(a module, and the run-ahead) | before (a second copy of the model) | 80 GB card at 0.85: left outside |")
     print("|---|---|---|---|---|")
     for name, arch in QWEN3.items():
         config = AutoConfig.for_model("qwen3", **arch)

@@ -191,7 +191,7 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
     import torch
     run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
     loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-    diag = []  # per micro-batch: (log pi - log mu, clipped or masked, stale KV, lag), detached, on the CPU
+    diag = []  # per micro-batch: (log pi - log mu, clipped or masked, stale KV, lag), detached, on `device`
     mbs = micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"])
     for _ in range(n_micro - len(mbs)):  # an empty micro-batch: one token through the model, weighted 0
         empty = dict(prompt_ids=torch.zeros(1, dtype=torch.long), token_ids=torch.zeros(1, dtype=torch.long))
@@ -213,9 +213,9 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
         loss_sum += loss.detach()
         gap_sum += (logp.detach() - behaviour).abs().sum()
         none = [torch.zeros(len(s["token_ids"]), dtype=torch.long) for s in mb]  # a sample without provenance
-        diag.append(((logp.detach() - behaviour).cpu(), clipped.cpu(),
-                     torch.cat([s.get("stale", z) for s, z in zip(mb, none)]).bool(),
-                     torch.cat([s.get("lag", z) for s, z in zip(mb, none)])))
+        diag.append((logp.detach() - behaviour, clipped,
+                     torch.cat([s.get("stale", z) for s, z in zip(mb, none)]).bool().to(device),
+                     torch.cat([s.get("lag", z) for s, z in zip(mb, none)]).to(device)))
     run_tokens = sum(len(batch[i]["token_ids"]) for i in run)
     # syncs: these, and `run` before any work is queued
     sums = offpolicy_sums(*(torch.cat(x) for x in zip(*diag))) if diag else [0.0] * 5 * (1 + len(SPLITS))
@@ -413,8 +413,9 @@ def offpolicy_sums(log_ratio, clipped, stale, lag):
     ratio = log_ratio.double().exp()
     k3 = ratio - 1 - log_ratio.double()  # Schulman's k3: an unbiased, never negative estimate of KL(mu || pi)
     masks = (torch.ones_like(stale), ~stale, stale, lag == 0, lag == 1, lag >= 2)
-    return [float(v) for m in masks for v in (m.sum(), ratio[m].sum(), (ratio[m] ** 2).sum(), k3[m].sum(),
-                                                (clipped & m).sum())]
+    only = lambda x, m: torch.where(m, x, 0.0).sum()  # on the device: no sync until .tolist()
+    return torch.stack([v.double() for m in masks for v in (m.sum(), only(ratio, m), only(ratio ** 2, m), only(k3, m),
+                                                            (clipped & m).sum())]).tolist()
 
 
 def offpolicy_metrics(sums):

@@ -24,6 +24,7 @@ import traceback
 
 from engine import Generator, kv_capacity, lane, make_engine
 from grpo import as_tensors
+from preflight import PUSH_AHEAD_BYTES  # how far a push's receive runs ahead of vLLM's loader
 
 # -----------------------------------------------------------------------------
 # weight sync: trainer side (rank 0) and vLLM worker side (ranks 1..N)
@@ -67,13 +68,6 @@ def buffer_device(backend, worker_device):
     answers lowercase "nccl"/"gloo", so a test against "NCCL" sent CPU buffers into
     an NCCL broadcast (test_generator.py::test_buffer_device_follows_backend)."""
     return worker_device if backend == "nccl" else "cpu"
-
-
-# How far an engine's receiving runs ahead of vLLM's loader: bytes received and not yet
-# loaded, beyond the module vLLM is building. The trainer waits for the load only when the
-# engine is this far behind; the engine holds this much more memory during a push
-# (preflight.engine_plan). See WeightReceiver.receive_weights.
-PUSH_AHEAD_BYTES = 64 * 2**20
 
 
 def receive_broadcast(engine, version, specs, ahead_bytes=PUSH_AHEAD_BYTES):

@@ -171,11 +171,19 @@ def head_size(config):
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def engine_plan(config, dtype_bytes=2, ahead_bytes=None, on_cpu=False):
+# How far an engine's receiving runs ahead of vLLM's loader: bytes received and not yet
+# loaded, beyond the module vLLM is building. The trainer waits for the load only when the
+# engine is this far behind; the engine holds this much more memory during a push
+# (engine_plan). See generator.WeightReceiver.receive_weights. Here, with the plan, so that
+# the plan's readers (lesson.py among them) need not import the generator process.
+PUSH_AHEAD_BYTES = 64 * 2**20
+
+
+def engine_plan(config, dtype_bytes=2, ahead_bytes=PUSH_AHEAD_BYTES, on_cpu=False):
     """A generator engine's memory outside vLLM's budget (--gpu-memory-utilization of its
     GPU: weights, KV cache, activations), in bytes: a push. The engine's worker receives
     each tensor into a buffer of its own, posted ahead of vLLM's loader by at most
-    `ahead_bytes` (generator.PUSH_AHEAD_BYTES; a larger tensor is posted alone, once the
+    `ahead_bytes` (PUSH_AHEAD_BYTES; a larger tensor is posted alone, once the
     loader has taken all before it), and vLLM's layerwise reload keeps a module's tensors
     until the module is complete, then builds the layer and copies it in place
     (generator.WeightReceiver): two of the largest module at once (its received tensors
@@ -185,8 +193,6 @@ def engine_plan(config, dtype_bytes=2, ahead_bytes=None, on_cpu=False):
     while the old packing is still held (bench_sync, 192 MiB model, 64 MiB ahead: 98 MiB
     at the peak, where two modules and the run-ahead are 88). (Before issue 36: a whole
     second copy of the model, kept.)"""
-    if ahead_bytes is None:
-        from generator import PUSH_AHEAD_BYTES as ahead_bytes
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = head_size(config)
     qkv = H * head_dim * (config.num_attention_heads + 2 * config.num_key_value_heads)

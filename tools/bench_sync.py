@@ -83,7 +83,7 @@ def bench_sync(args):
         path = smol_model_dir()
     cfg = parse_config(["--regime", "stale", "--model", path, "--out", "out/bench", "--gen-device", args.gen_device,
                         "--train-device", args.train_device, "--max-lag", "-1000000"])  # admits nothing: idle engine
-    cfg["push_ahead_bytes"] = args.push_ahead_mib * 2**20  # not a train.py flag: generator.PUSH_AHEAD_BYTES there
+    cfg["push_ahead_bytes"] = args.push_ahead_mib * 2**20  # not a train.py flag: preflight.PUSH_AHEAD_BYTES there
     env, = prepare(cfg)
     device = cfg["trainer_device"]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -285,7 +285,7 @@ if __name__ == "__main__":
                    help="model whose weights are pushed ('medium': a random ~50M Qwen3)")
     p.add_argument("--rounds", type=int, default=7, help="pushes (and raw broadcasts) to take the median of")
     p.add_argument("--push-ahead-mib", type=int, default=PUSH_AHEAD_BYTES // 2**20,
-                   help="how far the engine's receiving runs ahead of vLLM's loader (generator.PUSH_AHEAD_BYTES)")
+                   help="how far the engine's receiving runs ahead of vLLM's loader (preflight.PUSH_AHEAD_BYTES)")
     p.add_argument("--gen-model", default="tiny", help="model for the generation benchmark ('tiny', 'smol', a path)")
     p.add_argument("--prompts", type=int, default=16, help="prompts for the generation benchmark (x8 answers each)")
     p.add_argument("--gen-device", default="auto")

@@ -31,7 +31,7 @@ from statistics import median_high
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
-from generator import PUSH_AHEAD_BYTES  # noqa: E402  (imports neither torch nor vLLM)
+from preflight import PUSH_AHEAD_BYTES  # noqa: E402  (imports neither torch nor vLLM)
 
 
 # sync: the engine posts its receives up to --push-ahead-mib ahead of vLLM's reload

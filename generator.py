@@ -24,7 +24,7 @@ import traceback
 
 from engine import Generator, kv_capacity, lane, make_engine
 from grpo import as_tensors
-from preflight import PUSH_AHEAD_BYTES  # how far a push's receive runs ahead of vLLM's loader
+from preflight import PUSH_AHEAD_BYTES, PUSH_SEND_BYTES  # how far a push runs ahead: the engine's receive, the trainer's send
 
 # -----------------------------------------------------------------------------
 # weight sync: trainer side (rank 0) and vLLM worker side (ranks 1..N)
@@ -48,17 +48,38 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
                                                           listen_socket=listen_socket)
 
 
-def send_weights(group, tensors, device):
+def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
     """Once every engine has joined the push (an allreduce: it completes when the last
-    one arrives), broadcast every tensor from rank 0, then wait for the workers'
-    answer: the sum of the versions they are loading, sent once every tensor has arrived."""
+    one arrives), post a broadcast of every tensor from rank 0 and the acknowledgement
+    (an allreduce of the versions the workers load, which they add once every tensor has
+    arrived) without waiting for them: the process group moves them on its own threads
+    (gloo) or stream (NCCL) while the trainer goes on. A tensor posted is held until it
+    has gone out: past `budget` bytes in flight (PUSH_SEND_BYTES; preflight.memory_plan),
+    the trainer waits for the oldest. Returns (done, finish): done() says whether the ack
+    is in, finish() waits for it and returns it. Every tensor sent must stay unchanged
+    until then: with one trainer rank and the generator's dtype they are the parameters
+    themselves, which the next optimizer step overwrites."""
+    import collections
     import torch
     group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # WeightReceiver: "all here"
+    works, held = collections.deque(), 0  # (bytes, work) in flight; their bytes
     for t in tensors:
-        group.broadcast(t.to(device).contiguous(), root=0).wait()
+        t = t.to(device).contiguous()
+        size = t.numel() * t.element_size()
+        while works and held + size > budget:
+            n, work = works.popleft()
+            work.wait()
+            held -= n
+        works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
+        held += size
     ack = torch.zeros((), dtype=torch.int64, device=device)
-    group.allreduce(ack).wait()
-    return ack.item()
+    works.append((0, group.allreduce(ack)))
+
+    def finish():
+        for _, work in works:
+            work.wait()
+        return ack.item()
+    return works[-1][1].is_completed, finish
 
 
 def buffer_device(backend, worker_device):
@@ -398,6 +419,8 @@ class GeneratorHandle:
         self.last_seen = [time.time()] * self.n  # when each engine last sent anything (stall watchdog)
         self.last_msg, self.last_event = [(time.time(), "nothing yet")] * self.n, [None] * self.n
         self.stall_report = None
+        self.send_budget = PUSH_SEND_BYTES  # bytes a push may hold in flight (send_weights)
+        self.pending = None  # the push in flight: (done, finish, its watchdog) (push with wait=False)
         infos = {}
         while len(infos) < self.n:
             if (msg := self.get(timeout=cfg["start_timeout"])) is None:
@@ -550,24 +573,31 @@ class GeneratorHandle:
     def push_stalled(self, silent_s):
         """The push watchdog: the engines that have not joined this push (they never reached
         the load: stuck, or still draining a stuck answer) are stopped, and named; if every
-        engine joined, the push itself is stuck, and all are."""
+        engine joined, the push itself is stuck, and all are. A push whose acknowledgement
+        is in is not stuck, however long the trainer takes to settle it."""
+        if self.pending and not self.pushing():
+            return
         late = [i for i in range(self.n) if self.joined[i].value < self.version]
         self.stop_stalled(silent_s, "not taking new weights", late or None)
 
-    def push(self, specs, tensors=None, rejected=0):
+    def push(self, specs, tensors=None, rejected=0, wait=True):
         """Broadcast new weights to every engine: `specs` (weight_specs) first, then the
         tensors, in that order (or a state dict alone, both at once), and how many
-        groups the trainer's pool has rejected (they no longer count as admitted); returns
-        once every engine has received them (each loads them before its next engine step).
-        Blocks while a regime makes its engine wait (drain: until its answers in flight
-        finish: the push starts when every engine has joined it, so each waits for the one
-        with the longest tail, idle) -- that wait is part of the sync time the trainer
-        reports. A push not acknowledged within stall_bound() seconds means a stuck engine:
-        a watchdog thread stops the engines that never joined it (push_stalled), which
-        breaks the broadcast, and the stall report, naming them, is raised."""
+        groups the trainer's pool has rejected (they no longer count as admitted). Blocks
+        until every engine has joined the push: a regime that makes its engine wait (drain:
+        until its answers in flight finish) holds the trainer here, waiting for the engine
+        with the longest tail, idle -- part of the sync time the trainer reports. Then the
+        tensors go out on the process group's threads (send_weights): with wait=False this
+        returns at once, and settle() must be called before anything changes the tensors
+        (train.py: before the next optimizer step); by default it settles here. Each engine
+        loads them before its next engine step. A push not acknowledged within
+        stall_bound() seconds means a stuck engine: a watchdog thread stops the engines that
+        never joined it (push_stalled), which breaks the broadcast, and the stall report,
+        naming them, is raised. Returns the new version."""
         import threading
         if tensors is None:
             specs, tensors = weight_specs(specs), specs.values()
+        self.settle()
         timeout = self.stall_bound()
         self.version += 1
         for q in self.control_qs:
@@ -576,21 +606,49 @@ class GeneratorHandle:
         watchdog.daemon = True
         watchdog.start()
         try:
-            held = send_weights(self.group, die_test_hook(self.version, specs, tensors), self.transfer_device)
-        except RuntimeError as e:  # a dead peer breaks the broadcast: say why it died
-            watchdog.cancel()
-            watchdog.join()  # a report being written: wait for it
-            if self.stall_report:
-                raise GeneratorDied(self.stall_report) from None
-            dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0)
-            self.died(dead, f" during the weight broadcast ({str(e).splitlines()[0][:200]})")
+            self.pending = (*send_weights(self.group, die_test_hook(self.version, specs, tensors),
+                                          self.transfer_device, self.send_budget), watchdog)
+        except RuntimeError as e:
+            self.push_broke(watchdog, e)
+        if wait:
+            self.settle()
+        return self.version
+
+    def pushing(self):
+        """Whether a push is in flight, not yet acknowledged by every engine."""
+        return bool(self.pending) and not self.pending[0]()
+
+    def settle(self):
+        """Wait for the push in flight (none: return at once) until every engine has
+        acknowledged it. Returns the seconds it waited."""
+        if not self.pending:
+            return 0.0
+        t0 = time.time()
+        _, finish, watchdog = self.pending
+        try:
+            held = finish()
+        except RuntimeError as e:
+            self.push_broke(watchdog, e)
+        finally:
+            self.pending = None
         watchdog.cancel()
         if held != self.n * self.version:
             raise RuntimeError(f"weight sync: the engines acknowledged versions summing to {held}, "
                                f"not {self.n} x v{self.version}")
-        return self.version
+        return time.time() - t0
+
+    def push_broke(self, watchdog, e):
+        """A dead peer breaks the broadcast: say why it died."""
+        watchdog.cancel()
+        watchdog.join()  # a report being written: wait for it
+        if self.stall_report:
+            raise GeneratorDied(self.stall_report) from None
+        dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0)
+        self.died(dead, f" during the weight broadcast ({str(e).splitlines()[0][:200]})")
 
     def stop(self):
+        if self.pending:  # a push never settled (the trainer is going down): its engines are stopped below
+            self.pending[2].cancel()
         for q, proc in zip(self.control_qs, self.procs):
             if proc.is_alive():
                 q.put(("stop",))

@@ -136,7 +136,8 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     loads (bytes by item). AdamW with float32 master weights: 4 (weights) + 4 (grads) + 8
     (two moments) bytes per parameter, divided among the `world` ranks under FSDP2,
     which gathers a layer's float32 weights at a time (two: the next is prefetched);
-    the push sends one tensor at a time, in bf16 on a GPU. Activations, per
+    the push holds the tensors it sent (bf16 on a GPU) until they have gone out, at most
+    PUSH_SEND_BYTES. Activations, per
     token of the largest micro-batch, with or without activation checkpointing, and SDPA
     attention: each layer keeps its float32 input; the layer being recomputed holds
     its bf16 intermediates and their gradients. Logits: a float32 chunk
@@ -147,7 +148,6 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
-    largest = max(p.numel() for p in model.parameters())  # the embedding, on Qwen3
     layer_params = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
     H, L, I = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     head_dim = head_size(config)
@@ -161,7 +161,10 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     plan = {"weights + grads (fp32)": 8 * n_params // world, "AdamW moments (fp32)": 8 * n_params // world}
     if world > 1:
         plan["FSDP2 gathered layers (fp32)"] = 2 * 4 * layer_params
-    return {**plan, "the tensor being pushed": (2 if on_gpu else 4) * largest,
+    # the push (generator.send_weights): the tensors sent, in the generator's dtype, held until they have
+    # gone out (at most PUSH_SEND_BYTES); on CPU with one rank they are the parameters themselves
+    pushed = min(PUSH_SEND_BYTES, 2 * n_params if on_gpu else 4 * n_params if world > 1 else 0)
+    return {**plan, "the push's copy": pushed,
             f"activations ({cfg['micro_batch_tokens']} tokens)": per_token * cfg["micro_batch_tokens"],
             "logit chunks": 5 * min(logit_chunk_bytes, 4 * config.vocab_size * cfg["micro_batch_tokens"])}
 
@@ -177,6 +180,11 @@ def head_size(config):
 # (engine_plan). See generator.WeightReceiver.receive_weights. Here, with the plan, so that
 # the plan's readers (lesson.py among them) need not import the generator process.
 PUSH_AHEAD_BYTES = 64 * 2**20
+# The trainer's side: a push posts its broadcasts without waiting for them (the next step's
+# forward and backward go on meanwhile), holding what it sent until it has gone out, at most
+# this many bytes (generator.send_weights): all of Qwen3-0.6B in bf16; a larger model waits
+# for the engine past it
+PUSH_SEND_BYTES = 2 * 2**30
 
 
 def engine_plan(config, dtype_bytes=2, ahead_bytes=PUSH_AHEAD_BYTES, on_cpu=False):

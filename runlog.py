@@ -22,7 +22,8 @@ tokens come from more than one version), loss_tokens, loss_stale_token_frac,
 loss_lag_mean (the same over the tokens the loss saw: answers whose advantage is not
 0), truncated_frac, boxed_frac, gen_tok_per_s, gen_idle_s, discarded_tokens,
 recomputed_tokens, preempted, sync_s (the push, from the end of the optimizer step to
-weights loaded), trainer_wait_s (waiting for the step's groups); how off-policy the
+weights loaded; in train.py to every engine joined and the tensors sent off, and
+sync_wait_s: what the next optimizer step waited for them to arrive), trainer_wait_s (waiting for the step's groups); how off-policy the
 trained tokens were (grpo.offpolicy_metrics): ess, clipped_frac, kl, and each again with
 _fresh, _stale, _lag0, _lag1, _lag2 (None where no token falls in the group); PACE's
 rejected_groups, rejected_tokens, pool_size, gen_staleness_mean, wait_staleness_mean;

@@ -166,6 +166,15 @@ def main(argv=None):
         log.evaluation(step, version, texts, test, truncated, right)
         return dict(eval_acc=sum(right) / max(1, len(test)), eval_truncated_frac=sum(truncated) / len(truncated))
 
+    waited = [0.0]  # how long this step's optimizer step waited for the last push (settle)
+
+    def settle():
+        """Wait for the push in flight: the next optimizer step overwrites the weights it sends."""
+        if gen.pushing():
+            log.trainer("syncing")
+            waited[0] += gen.settle()
+            log.trainer("training")
+
     try:
         if cfg["eval_every"] and start_step == 0:
             m = dict(step=0, wall_s=0.0, version=version, **evaluate(0, version), eval_version=version)
@@ -174,7 +183,7 @@ def main(argv=None):
         for step in range(start_step + 1, cfg["steps"] + 1):
             # 1. intake: the oldest groups not yet trained, once all their answers are in (pace.Pool)
             log.trainer("waiting")
-            t0 = time.time()
+            t0, waited[0] = time.time(), 0.0
             while (msg := gen.get(timeout=0)) is not None:  # whatever already arrived
                 intake(msg)
             while (taken := pool.take(version)) is None:
@@ -193,19 +202,21 @@ def main(argv=None):
             count = lambda answers: len(micro_batches(answers, cfg["micro_batch_tokens"]))
             parts = [ranks.scatter(part, adv[idx], token_weights(cfg, part), count)  # token_weights: of the whole part
                      for idx in minibatches(len(batch), cfg["minibatches"]) for part in [[batch[i] for i in idx]]]
-            trained = optimize(cfg, model, opt, ranks, step, parts, device)
+            trained = optimize(cfg, model, opt, ranks, step, parts, device, settle=settle)
 
-            # 4. push the new weights to the generator (drain holds the push until its answers finish)
+            # 4. push the new weights to the generator (drain holds the push until its answers finish);
+            # the tensors go out while the next step waits for its groups and runs its forward and
+            # backward, and that step's optimizer step waits for them (settle)
             log.trainer("syncing")
             t0 = time.time()
             # tensor by tensor, gathered from the ranks; rejected groups leave their places to new ones
-            new_version = gen.push(*ranks.weights(model, gen_dtype), rejected=pool.n_rejected)
+            new_version = gen.push(*ranks.weights(model, gen_dtype), rejected=pool.n_rejected, wait=False)
             sync_s = time.time() - t0
 
             # 5. log what explains the run, evaluate the new weights, save
             now, stats = time.time(), dict(gen.stats)
             m = dict(step=step, wall_s=round(now - t_start, 2), version=version, **scores,
-                     **trained, sync_s=sync_s,
+                     **trained, sync_s=sync_s, sync_wait_s=waited[0],
                      trainer_wait_s=trainer_wait_s, stall_bound_s=round(gen.stall_bound(), 1),
                      **batch_metrics(batch, adv, version), run_tokens=run_tokens(cfg, batch, adv),
                      **pool_stats(batch_groups, rejected, pool.complete, version),
@@ -218,10 +229,12 @@ def main(argv=None):
             log.metric(m)
             print(step_line(m), flush=True)
             if saves_at(cfg, step):
+                gen.settle()  # a checkpoint's version is one every engine holds
                 log.trainer("saving")
                 save_checkpoint(cfg, model, tokenizer, opt, ranks, dict(
                     step=step, version=version, data_position=pool.position, done_groups=sorted(pool.done),
                     gen_stats=stats, trainer_cpu_s=time.process_time() + cpu_s0))
+        gen.settle()
         log.trainer("done")
     except KeyboardInterrupt:
         print("interrupted: stopping the generator", file=sys.stderr)
@@ -236,11 +249,12 @@ def main(argv=None):
         print("plot:", plot_run(cfg["out"]))
 
 
-def optimize(cfg, model, opt, ranks, step, parts, device):
+def optimize(cfg, model, opt, ranks, step, parts, device, settle=lambda: None):
     """--minibatches optimizer steps, one per part of the batch: `parts` holds this rank's
     share of each (ranks.scatter: all of it with one rank), each answer's tokens weighted
     by token_weights of the whole part. Several steps: pi_old first, before any weight
-    moves (grpo.old_logprobs). Returns what the steps log, over all ranks."""
+    moves (grpo.old_logprobs). settle() is called before the first weight moves (rank 0:
+    the last push may still be reading them). Returns what the steps log, over all ranks."""
     model.train()
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, step)
@@ -251,6 +265,7 @@ def optimize(cfg, model, opt, ranks, step, parts, device):
     for share, adv, weights, n_micro in parts:
         opt.zero_grad(set_to_none=True)
         out = ranks.sum(*train_step(cfg, model, share, adv.to(device), weights.to(device), device, n_micro))
+        settle()
         out = (*out, optimizer_step(model, opt, out[0]))
         total = [a + b for a, b in zip(total, out)] if total else list(out)
     loss, gap, gap_tokens, *sums, grad_norm = total

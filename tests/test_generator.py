@@ -88,10 +88,18 @@ def test_sync_is_exact(model_args=(), tol=1e-3):
         assert max(diffs) > 1e-2, f"a push without lm_head.weight went unnoticed (max diff {max(diffs):.2e})"
 
         # 2. the right push: the whole state_dict; twice (the receiver keeps nothing
-        # between pushes: a second one must not depend on the first)
+        # between pushes: a second one must not depend on the first). The second as train.py
+        # pushes: posted without waiting, then settled, through a send budget far below the
+        # model (so the trainer waits for its oldest sends)
         for version in (2, 3):
             model.load_state_dict(perturbed(model, seed=version))
-            assert gen.push(model.state_dict()) == version
+            if version == 2:
+                assert gen.push(model.state_dict()) == version
+            else:
+                gen.send_budget = 64 * 2**10
+                assert gen.push(model.state_dict(), wait=False) == version
+                gen.settle()
+                assert not gen.pushing()
             for s in collect(gen, 4):
                 prompt = s["prompt_ids"].tolist()
                 greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,

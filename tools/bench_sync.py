@@ -7,12 +7,16 @@ ratio misses its target (or a push's memory its plan), so a regression shows whe
     .venv/bin/python tools/bench_sync.py --sync-model smol --gen-model smol --prompts 4   # SmolLM2-135M (tools/smol.py)
     python tools/bench_sync.py --sync-model Qwen/Qwen3-0.6B --gen-device cuda:0 --train-device cuda:1   # GPUs
 
-1. weight sync: the time train.py's push blocks the trainer (every tensor broadcast
-   into the vLLM worker, which posts its receives ahead of the loader by at most
-   --push-ahead-mib, and its acknowledgement of the version once every tensor has
-   arrived) vs a raw torch.distributed broadcast of the same tensors between two plain
-   processes, each side with its buffers allocated once; medians of --rounds, the two
-   kinds alternating 1 s apart so that both meet the same machine. And the generator's
+1. weight sync: the time train.py's push blocks the trainer vs a raw torch.distributed
+   broadcast of the same tensors between two plain processes, each side with its
+   buffers allocated once. As train.py does: the push returns once every engine has
+   joined and every broadcast is posted (the vLLM worker posts its receives ahead of its
+   loader by at most --push-ahead-mib), the trainer runs the next step's forward and
+   backward (here: one of the pushed model on --step-tokens tokens), then waits for the
+   engines' acknowledgement (Generator.settle); blocked = the push's return + that wait.
+   Also printed: the push waited for at once (push + settle, nothing between: transfer
+   and load end to end) and the forward/backward's own time. Medians of --rounds, the
+   kinds alternating 1 s apart so that all meet the same machine. And the generator's
    resident memory over the pushes: its peak above where it stood after the warm-up push
    (against preflight.engine_plan, which a push must stay within), and what each keeps.
 2. generation: generator.py's step loop (one engine.step() at a time, per-token
@@ -112,7 +116,10 @@ def bench_sync(args):
     memory = []  # per push: (resident peak - resident before, resident 1 s after - before), bytes
     highest = [0]
 
-    def watched_push():
+    ids = torch.randint(0, model.config.vocab_size, (1, args.step_tokens), device=device)
+    step_s = []  # each round's forward and backward
+
+    def watched_push(overlap=True):
         """A push, the generator's resident memory sampled every 2 ms from before it until 1 s
         after it returns (the load of the last modules ends after the acknowledgement)."""
         before, peak, done = engine.memory_info().rss, [0], threading.Event()
@@ -124,8 +131,17 @@ def bench_sync(args):
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         t0 = time.time()
-        gen.push(sd)
+        gen.push(sd, wait=False)
         took = time.time() - t0
+        t1 = time.time()
+        if overlap:
+            loss = model(ids, labels=ids).loss  # the next step's forward and backward: reads the weights
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        t2 = time.time()
+        gen.settle()
+        took += time.time() - t2
+        step_s.append(t2 - t1)
         time.sleep(1)  # as in training, a step passes between pushes: the reload of the last one is done
         done.set()
         watcher.join()
@@ -140,13 +156,16 @@ def bench_sync(args):
     # this model, fed tensor by tensor with nothing ahead, in one process): a push's memory is
     # measured above where the engine stands after it
     start, highest[0] = engine.memory_info().rss, 0
-    push, raw = [], []
-    for _ in range(args.rounds):  # alternate, so both meet the same machine; both receivers idle between
+    push, raw, whole = [], [], []
+    for _ in range(args.rounds):  # alternate, so all meet the same machine; both receivers idle between
         push.append(watched_push())
         time.sleep(1)
         t0 = time.time()
         raw_broadcast()
         raw.append(time.time() - t0)
+        time.sleep(1)
+        whole.append(watched_push(overlap=False))
+    step_s = [s for s, overlapped in zip(step_s[1:], [True, False] * args.rounds) if overlapped]
     gen.stop()
     proc.join()
     mib = lambda b: f"{b / 2**20:+.0f} MiB"
@@ -160,8 +179,13 @@ def bench_sync(args):
           f"the engine after its first push (which kept {(start - first) / 2**20:+.0f} MiB) vs the plan's "
           f"{plan / 2**20:.0f} MiB (preflight.engine_plan) and the model's {n_bytes / 2**20:.0f} MiB "
           f"-> {extra / n_bytes:.2f}x the model")
-    push_s, raw_s = median_high(push), median_high(raw)
-    print(f"  push rounds {' '.join(f'{x:.3f}' for x in push)}; raw rounds {' '.join(f'{x:.3f}' for x in raw)}")
+    push_s, raw_s, whole_s = median_high(push), median_high(raw), median_high(whole)
+    rounds = lambda xs: " ".join(f"{x:.3f}" for x in xs)
+    print(f"  blocked rounds {rounds(push)}; raw rounds {rounds(raw)}; push waited at once {rounds(whole)}; "
+          f"forward+backward between {rounds(step_s)}")
+    print(f"  the push waited for at once (transfer and load end to end): {whole_s:.3f}s -> {whole_s / raw_s:.2f}x "
+          f"the raw broadcast; the forward and backward of {args.step_tokens} tokens it overlaps: "
+          f"{median_high(step_s):.3f}s")
     print(f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
           f"the trainer blocked {push_s:.3f}s by a push vs {raw_s:.3f}s by a raw broadcast (medians of {args.rounds}) "
           f"-> {push_s / raw_s:.2f}x (target <= {SYNC_TARGET}x)")
@@ -284,6 +308,8 @@ if __name__ == "__main__":
     p.add_argument("--sync-model", default="medium",
                    help="model whose weights are pushed ('medium': a random ~50M Qwen3)")
     p.add_argument("--rounds", type=int, default=7, help="pushes (and raw broadcasts) to take the median of")
+    p.add_argument("--step-tokens", type=int, default=128,
+                   help="tokens of the forward and backward a push overlaps, as the next training step's")
     p.add_argument("--push-ahead-mib", type=int, default=PUSH_AHEAD_BYTES // 2**20,
                    help="how far the engine's receiving runs ahead of vLLM's loader (preflight.PUSH_AHEAD_BYTES)")
     p.add_argument("--gen-model", default="tiny", help="model for the generation benchmark ('tiny', 'smol', a path)")

@@ -20,14 +20,14 @@ request's oldest KV was written by an older version than that.
 | regime    | in-flight answers at the switch             | off-policy afterwards         | cost                     |
 |-----------|---------------------------------------------|-------------------------------|--------------------------|
 | sync      | none (one batch per version)                | nothing                       | generator idles in training |
-| drain     | finish under v, then load                   | whole answers one version old | idle slots while draining |
+| drain     | finish under v, then load                   | whole answers, each from one version | idle slots while draining |
 | discard   | aborted, tokens and KV thrown away          | nothing spans versions        | discarded tokens         |
 | stale     | continue: v+1 reads KV written by v         | tokens after the switch stale | nothing                  |
 | recompute | KV of prompt + partial rebuilt under v+1    | prefix tokens from v          | recomputed (prefill) tokens |
 """
 
 class Sync:
-    """A (classic GRPO). Generate one batch with v, hand it over, wait, load v+1.
+    """Classic GRPO. Generate one batch with v, hand it over, wait, load v+1.
 
     Nothing is ever in flight at a switch: the admission bound is forced to
     max_lag = 0, so after its batch the generator sits idle until the trainer
@@ -43,11 +43,12 @@ class Sync:
 
 
 class Drain:
-    """B. Stop admitting prompts, let the answers in flight finish under v, then
+    """Stop admitting prompts, let the answers in flight finish under v, then
     load v+1 and resume.
 
     No answer spans two versions and no token reads stale KV, but answers finished
-    during the drain are one version old when the trainer gets them. Cost: while
+    during the drain were sampled by v alone, up to --max-lag versions behind the
+    trainer when it takes them (lag, not stale KV). Cost: while
     draining, the batch shrinks as answers finish and the freed slots stay empty
     until the longest answer is done; that wall time is counted in gen_idle_s (as
     drain_s too). The trainer's push blocks meanwhile (sync_s)."""
@@ -72,7 +73,7 @@ class Drain:
 
 
 class Discard:
-    """C. Abort the answers in flight, throw away their tokens and KV, and restart
+    """Abort the answers in flight, throw away their tokens and KV, and restart
     those prompts under v+1.
 
     Every finished answer comes from one version, with fresh KV: nothing is
@@ -92,7 +93,7 @@ class Discard:
 
 
 class Stale:
-    """D (PipelineRL). Load v+1 between two decode steps and keep going.
+    """As PipelineRL does: load v+1 between two decode steps and keep going.
 
     The KV cache is left as it is: for an answer with k tokens at the switch, the
     KV of the prompt and the first k-1 tokens was written by v (token k has been
@@ -108,7 +109,7 @@ class Stale:
 
 
 class Recompute:
-    """E (AReaL). Load v+1, then rebuild the KV of prompt + partial answer under
+    """As AReaL does: load v+1, then rebuild the KV of prompt + partial answer under
     v+1 and keep going.
 
     vLLM has no call to overwrite a running request's KV, so the answer is

@@ -20,7 +20,7 @@ request's oldest KV was written by an older version than that.
 | regime    | in-flight answers at the switch             | off-policy afterwards         | cost                     |
 |-----------|---------------------------------------------|-------------------------------|--------------------------|
 | sync      | none (one batch per version)                | nothing                       | generator idles in training |
-| drain     | finish under v, then load                   | whole answers, each from one version | idle slots while draining |
+| drain     | finish under v, then load                   | each answer from one version  | idle slots while draining |
 | discard   | aborted, tokens and KV thrown away          | nothing spans versions        | discarded tokens         |
 | stale     | continue: v+1 reads KV written by v         | tokens after the switch stale | nothing                  |
 | recompute | KV of prompt + partial rebuilt under v+1    | prefix tokens from v          | recomputed (prefill) tokens |

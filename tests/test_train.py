@@ -17,7 +17,7 @@ import torch
 import grpo
 import rundir
 import train
-from helpers import LOSS_CFG, batch_of, small_model
+from helpers import LOSS_CFG, batch_of, small_model, with_logprobs
 
 
 def reference_grads(cfg, model, batch, adv):

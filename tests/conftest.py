@@ -1,6 +1,7 @@
 """The tests import the lesson's modules (train, generator, ...) and the tools
 (tools.tiny, ...) from the repository root, and run its programs by relative path
-(train.py, fixtures/...): both hold wherever pytest is started from.
+(train.py, fixtures/...): both hold wherever pytest is started from. What several test
+files share is in tests/helpers.py (no test file imports another).
 
 The fast tier, what a student runs after an edit (lesson.py, the regimes, the loss,
 the exercises' graders): `.venv/bin/python -m pytest -q -m fast`."""
@@ -8,10 +9,21 @@ the exercises' graders): `.venv/bin/python -m pytest -q -m fast`."""
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.chdir(ROOT)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the tier to run after an edit (pytest -m fast)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def at_the_root():
+    """Every test runs in the repository root (train.py, fixtures/, out/ by relative
+    path); the directory pytest started in is restored after the session. Importing
+    this file changes nothing."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)
+        yield

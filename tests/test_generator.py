@@ -12,104 +12,19 @@ import signal
 import time
 
 import pytest
-import torch
 
-from generator import GeneratorDied, GeneratorHandle
+from generator import GeneratorDied
 from devices import prepare
+from helpers import check_sync_is_exact, collect, hf_model, start
 from train import parse_config
 
 
-def start(regime, *extra, tmp="out/test", **overrides):
-    """A generator process as train.py starts it; returns (handle, cfg). overrides:
-    settings train.py refuses (temperature 0: greedy answers to compare with HF's)."""
-    cfg = dict(parse_config(["--regime", regime, "--out", tmp, *extra]), **overrides)
-    cores = os.sched_getaffinity(0)
-    envs = prepare(cfg)  # pins this process to the trainer's half of the cores...
-    os.sched_setaffinity(0, cores)  # ...which later tests and their subprocesses would inherit
-    return GeneratorHandle(cfg, envs), cfg
-
-
-def collect(gen, n, timeout=120):
-    """The next n finished samples (events are skipped)."""
-    out = []
-    while len(out) < n:
-        msg = gen.get(timeout)
-        assert msg is not None, f"no sample within {timeout}s"
-        if msg[0] == "sample":
-            out.append(msg[1])
-    return out
-
-
-def hf_model(cfg):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
-def perturbed(model, seed, scale=0.5):
-    """A copy of the weights with noise of `scale` x each tensor's std: far enough
-    from the original that a tensor the sync misses shows up in the logprobs."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for k, v in model.state_dict().items():
-        noise = torch.randn(v.shape, generator=g) * (v.float().std().nan_to_num(0.0) * scale + 1e-3)
-        sd[k] = (v + noise).to(v.dtype)
-    return sd
-
-
-@torch.no_grad()
-def hf_logprobs(model, prompt_ids, token_ids, temperature=1.0):
-    """log p(token_j | prompt, tokens_<j) for every answer token, teacher-forced,
-    from the logits over `temperature` (what vLLM samples from)."""
-    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
-    logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
-    P = len(prompt_ids)
-    return logp[P - 1:-1].gather(-1, torch.tensor(token_ids)[:, None].long())[:, 0]
-
-
-def test_sync_is_exact(model_args=(), tol=1e-3):
+def test_sync_is_exact():
     """Push perturbed weights, generate greedily under them: vLLM's tokens and
     logprobs equal the HF model's. named_parameters() leaves the tied lm_head out
-    and must be caught; the state_dict() must match. (test_smol.py runs it on
-    SmolLM2 through `model_args`.)"""
-    gen, cfg = start("sync", "--prompts-per-step", "4", "--synth-steps", "3", "--max-new-tokens", "48", *model_args,
-                     temperature=0.0, group_size=1)
-    try:
-        model = hf_model(cfg)
-        eos = model.generation_config.eos_token_id  # tiny: 0; SmolLM2: <|im_end|>
-        collect(gen, 4)  # the batch of version 0
-
-        # 1. the wrong push: named_parameters() skips the tied lm_head.weight
-        bad = perturbed(model, seed=1)
-        model.load_state_dict(bad)
-        gen.push({k: v for k, v in model.named_parameters()})
-        diffs = [(hf_logprobs(model, s["prompt_ids"].tolist(), s["token_ids"].tolist()) - s["logprobs"]).abs().max()
-                 for s in collect(gen, 4)]
-        assert max(diffs) > 1e-2, f"a push without lm_head.weight went unnoticed (max diff {max(diffs):.2e})"
-
-        # 2. the right push: the whole state_dict; twice (the receiver keeps nothing
-        # between pushes: a second one must not depend on the first). The second as train.py
-        # pushes: posted without waiting, then settled, through a send budget far below the
-        # model (so the trainer waits for its oldest sends)
-        for version in (2, 3):
-            model.load_state_dict(perturbed(model, seed=version))
-            if version == 2:
-                assert gen.push(model.state_dict()) == version
-            else:
-                gen.send_budget = 64 * 2**10
-                assert gen.push(model.state_dict(), wait=False) == version
-                gen.settle()
-                assert not gen.pushing()
-            for s in collect(gen, 4):
-                prompt = s["prompt_ids"].tolist()
-                greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
-                                        pad_token_id=eos, eos_token_id=eos)[0, len(prompt):].tolist()
-                assert s["token_ids"].tolist() == greedy, "vLLM's greedy answer differs from HF's"
-                ref = hf_logprobs(model, prompt, s["token_ids"].tolist())
-                assert (ref - s["logprobs"]).abs().max() < tol
-                assert s["versions"].tolist() == [version] * len(greedy)
-    finally:
-        gen.stop()
+    and must be caught; the state_dict() must match. (The check is
+    helpers.check_sync_is_exact: test_smol.py runs it on SmolLM2.)"""
+    check_sync_is_exact()
 
 
 def test_generator_error_reaches_trainer():

@@ -1,7 +1,8 @@
 """
 The layout a reader relies on: no import circle between the project's modules; the
-lesson (the .py files at the root) imports no tool (tools/); every link in the
-README and the documents it links resolves to a file or a heading that exists.
+lesson (the .py files at the root) imports no tool (tools/); no test file imports
+another (what they share is in tests/helpers.py); every link in the README and the
+documents it links resolves to a file or a heading that exists.
 
     .venv/bin/python -m pytest -q tests/test_layout.py
 """
@@ -10,39 +11,13 @@ import ast
 import glob
 import os
 import re
-import sys
 
 import pytest
 
-from conftest import ROOT
+import helpers
+from helpers import ROOT, graph
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
-
-
-def project_modules():
-    """{module name: path} for the lesson (root) and the tools (tools.x)."""
-    mods = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
-    mods.update({"tools." + os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))})
-    return mods
-
-
-def imports(path, mods):
-    """The project modules `path` imports anywhere in it (functions included: a lazy
-    import still makes a circle)."""
-    found = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        found |= {n for n in names if n in mods}
-    return found
-
-
-def graph():
-    mods = project_modules()
-    return {m: imports(p, mods) - {m} for m, p in mods.items() if not os.path.basename(p).startswith("test_")}
 
 
 def test_no_import_circle():
@@ -75,13 +50,52 @@ def test_the_circle_check_can_fail(tmp_path, monkeypatch):
     (tmp_path / "a.py").write_text("import b\n")
     (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
     mods = {"a": str(tmp_path / "a.py"), "b": str(tmp_path / "b.py")}
-    monkeypatch.setattr(sys.modules[__name__], "project_modules", lambda: mods)
+    monkeypatch.setattr(helpers, "project_modules", lambda: mods)  # what helpers.graph reads
     try:
         test_no_import_circle()
     except AssertionError as e:
         assert "a -> b -> a" in str(e) or "b -> a -> b" in str(e)
     else:
         raise AssertionError("the circle a -> b -> a was not found")
+
+
+def files_of_tests():
+    """Every test file: tests/*.py (helpers.py and conftest.py included) and test_smoke.py."""
+    return sorted(glob.glob(os.path.join(ROOT, "tests", "*.py"))) + [os.path.join(ROOT, "test_smoke.py")]
+
+
+def imported_tests(path, names):
+    """The test modules `path` imports anywhere in it: a dotted name with a part that is
+    test_* or one of `names` (import test_x, from test_x import f, from tests import test_x)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        dotted = []
+        if isinstance(node, ast.Import):
+            dotted = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            dotted = [node.module or ""] + [f"{node.module or ''}.{a.name}".lstrip(".") for a in node.names]
+        found |= {n for n in dotted if any(part.startswith("test_") or part in names for part in n.split("."))}
+    return found
+
+
+def test_no_test_file_imports_another():
+    """A test file takes what it shares with others from tests/helpers.py, never from
+    another test file (whose import runs that module, and collects again any test
+    imported by name)."""
+    files = files_of_tests()
+    names = {os.path.basename(p)[:-3] for p in files} - {"helpers", "conftest"}
+    bad = {os.path.relpath(p, ROOT): sorted(imported_tests(p, names)) for p in files}
+    assert len(files) > 15 and not any(bad.values()), {p: n for p, n in bad.items() if n}
+
+
+def test_the_test_import_check_can_fail(tmp_path):
+    """The check itself: imports of a test module, at the top or inside a function, are found."""
+    (tmp_path / "a.py").write_text("import os\nfrom helpers import start\n\n\ndef f():\n"
+                                   "    from test_train import LOSS_CFG\n")
+    (tmp_path / "b.py").write_text("import tests.test_layout\nfrom tests import test_smoke\nimport smoke_check\n")
+    assert imported_tests(str(tmp_path / "a.py"), set()) == {"test_train", "test_train.LOSS_CFG"}
+    assert imported_tests(str(tmp_path / "b.py"), {"smoke_check"}) == {"tests.test_layout", "tests.test_smoke",
+                                                                        "smoke_check"}
 
 
 def slug(heading):

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import lesson
-from conftest import ROOT
-from test_layout import graph
+from helpers import ROOT, graph
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 

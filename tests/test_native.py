@@ -38,16 +38,15 @@ import torch
 from engine import Rollout, load_in_place
 from lesson import parse_config
 from regimes import make_regime
-from test_generator import hf_model, perturbed
-from test_regimes import generator
+from helpers import generator, hf_model, perturbed
 
 K = 10  # engine steps under the old weights before the switch
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """The shared engine (test_regimes.py's), its prompts, the old and the new weights
-    (also saved, for the multiprocess engine to load)."""
+    """The shared engine (helpers.generator's: test_regimes.py's too), its prompts, the
+    old and the new weights (also saved, for the multiprocess engine to load)."""
     gen, _, _, cfg = generator("stale")
     old, new = hf_model(cfg), hf_model(cfg)
     new.load_state_dict(perturbed(old, seed=1))

@@ -17,11 +17,10 @@ import sys
 import numpy as np
 import pytest
 
-from test_generator import start
-from test_regimes import LONG
+from helpers import LONG, start
 
-# longer answers than test_regimes.py's (~145 tokens): the push must land while most
-# are being written, even when other processes slow this one down
+# longer answers than test_regimes.py's (helpers.LONG; these: ~145 tokens): the push must
+# land while most are being written, even when other processes slow this one down
 LONGER = ("--synth-steps", "16", "--max-new-tokens", "200", "--group-size", "4", "--prompts-per-step", "4")
 
 

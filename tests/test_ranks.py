@@ -20,7 +20,8 @@ import time
 import psutil
 import pytest
 import torch
-from test_reliability import wait_for  # read train.py's stdout up to a line
+
+from helpers import wait_for  # read train.py's stdout up to a line
 
 HERE = os.path.abspath(__file__)
 SMALL = ["--eval-every", "2", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "6",
@@ -45,14 +46,14 @@ def run(cmd, timeout=900, cwd=None):
 def the_batch():
     """Answers of very different lengths, some advantages 0 (not run), so that the
     ranks get uneven tokens and different numbers of micro-batches."""
-    from test_train import batch_of, small_model, with_logprobs
+    from helpers import batch_of, small_model, with_logprobs
     batch = with_logprobs(batch_of([3, 150, 7, 90, 1, 40, 64, 11, 33]))
     adv = torch.tensor([1.0, -1.0, 0.0, 2.0, -0.5, 0.0, 0.5, -2.0, 0.0])
     return small_model(), batch, adv
 
 
 def step_cfg(loss):
-    from test_train import LOSS_CFG
+    from helpers import LOSS_CFG
     return dict(LOSS_CFG, loss=loss, temperature=0.7, micro_batch_tokens=150, geo_threshold=1.2,  # geo: keeps some
                 loss_agg="answer" if loss == "ppo" else "token", max_new_tokens=160)
 
@@ -124,7 +125,7 @@ def sync_job(out):
     """Run by each of 2 ranks: rank 0 starts 2 engines; both ranks shard perturbed
     weights and push them (rank 0 broadcasts what both gathered); rank 0 collects greedy
     answers written by them from both engines."""
-    from test_generator import collect, hf_logprobs, hf_model, perturbed
+    from helpers import collect, hf_logprobs, hf_model, perturbed
     from generator import GeneratorHandle
     from devices import prepare
     from ranks import Ranks
@@ -194,7 +195,7 @@ def test_end_to_end_two_ranks_two_engines(tmp_path):
     """No --out: each rank names the default run directory after the second it starts in,
     and rank 1 starting a second later must still write its optimizer shard into rank 0's
     directory: one directory, a complete checkpoint."""
-    from test_smoke import check_run
+    from helpers import check_run
     run(torchrun(os.path.join(os.path.dirname(os.path.dirname(HERE)), "train.py"), "--regime", "stale", "--steps", "3",
                  *SMALL), cwd=tmp_path)
     made = os.listdir(tmp_path / "out")

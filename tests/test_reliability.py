@@ -19,6 +19,8 @@ import time
 import psutil
 import pytest
 
+from helpers import read, wait_for
+
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "gsm8k.jsonl")
 
 
@@ -179,24 +181,10 @@ SMALL = ["--eval-every", "0", "--prompts-per-step", "4", "--group-size", "4", "-
          "--max-new-tokens", "64", "--no-plot"]
 
 
-def read(run, name):
-    with open(os.path.join(run, name)) as f:
-        return [json.loads(line) for line in f]
-
-
 def start_train(*args, env=None):
     """train.py in its own process group (its generator joins it), stdout piped."""
     return subprocess.Popen([sys.executable, "train.py", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)
-
-
-def wait_for(proc, prefix, timeout=300):
-    t0 = time.time()
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return
-        assert time.time() - t0 < timeout
-    raise AssertionError(f"train.py ended before {prefix!r}: " + proc.stderr.read()[-3000:])
 
 
 def session_left(pgid):

@@ -11,6 +11,8 @@ import reward
 from data import to_problem
 from reward import score
 
+pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py): ~20 s
+
 DATASETS = ["synth", "gsm8k", "math"]
 PROPS = settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 

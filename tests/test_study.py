@@ -52,7 +52,7 @@ def switches(s):
 
 @torch.no_grad()
 def hf_stale(old, new, s, sw):
-    """What the stale regime computes (test_regimes.hf_stale_logprobs, full vocab): v runs
+    """What the stale regime computes (helpers.hf_stale_logprobs, full vocab): v runs
     over prompt + a_:s-1 and keeps its cache, v+1 feeds a_{s-1}.. reading it. No splicing."""
     P, n = len(s["prompt_ids"]), len(s["token_ids"])
     ids = torch.cat([s["prompt_ids"], s["token_ids"]]).long()[None]

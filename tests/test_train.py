@@ -13,26 +13,11 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import grpo
 import rundir
 import train
-
-
-def small_model(vocab=97, seed=0):
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                  max_position_embeddings=512, tie_word_embeddings=True)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-
-
-def batch_of(lengths, vocab=97, seed=1):
-    """Answers of very different lengths after prompts of different lengths."""
-    g = torch.Generator().manual_seed(seed)
-    return [dict(prompt_ids=torch.randint(vocab, (5 + i % 7,), generator=g),
-                 token_ids=torch.randint(vocab, (n,), generator=g)) for i, n in enumerate(lengths)]
+from helpers import LOSS_CFG, batch_of, small_model, with_logprobs
 
 
 def reference_grads(cfg, model, batch, adv):
@@ -94,10 +79,6 @@ ADVANTAGES = {"nonzero": [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1],
               "some zero": [1.0, 0.0, 0.5, -0.5, 0.0, -2.0, 0.0, -0.1]}  # train_step skips the zeros
 
 
-LOSS_CFG = dict(is_cap=2.0, clip_eps=0.2, icepop_low=0.5, icepop_high=5.0, geo_threshold=1.001, cispo_eps_low=1.0,
-                cispo_eps_high=4.0, gspo_eps_low=3e-4, gspo_eps_high=4e-4)  # config.py's defaults
-
-
 @pytest.mark.fast
 @pytest.mark.parametrize("advantages", sorted(ADVANTAGES))
 @pytest.mark.parametrize("loss, agg, drift", [(name, "token", False) for name in grpo.LOSSES]
@@ -142,12 +123,6 @@ def answer_logprobs_of(model, s):
     ids = torch.cat([s["prompt_ids"], s["token_ids"]])[None]
     logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / 0.7, -1).gather(-1, ids[0, 1:, None])[:, 0]
     return logp[len(s["prompt_ids"]) - 1:]
-
-
-def with_logprobs(batch):
-    for s in batch:
-        s["logprobs"] = torch.randn(len(s["token_ids"]), generator=torch.Generator().manual_seed(5)) - 4.6
-    return batch
 
 
 @pytest.mark.fast

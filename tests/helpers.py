@@ -1,0 +1,398 @@
+"""
+What several test files share: plain functions and constants, imported by name
+(`from helpers import start, collect`). No test module imports another
+(tests/test_layout.py checks it): what two of them need lives here.
+
+- processes: a generator process as train.py starts it, its samples, train.py runs;
+- the independent references: Hugging Face's model and its logprobs, perturbed weights;
+- the forced weight switch on a shared in-process engine (test_regimes.py, test_native.py);
+- the checks test_smol.py repeats on SmolLM2: the weight sync, stale and recompute;
+- the trainer's step on a small model (test_train.py, test_ranks.py);
+- the run directory's contract (test_smoke.py, test_smol.py, test_ranks.py);
+- the project's import graph (test_layout.py, test_lesson.py).
+"""
+
+import ast
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# -----------------------------------------------------------------------------
+# processes: the generator process, train.py
+
+
+def start(regime, *extra, tmp="out/test", **overrides):
+    """A generator process as train.py starts it; returns (handle, cfg). overrides:
+    settings train.py refuses (temperature 0: greedy answers to compare with HF's)."""
+    from devices import prepare
+    from generator import GeneratorHandle
+    from train import parse_config
+    cfg = dict(parse_config(["--regime", regime, "--out", tmp, *extra]), **overrides)
+    cores = os.sched_getaffinity(0)
+    envs = prepare(cfg)  # pins this process to the trainer's half of the cores...
+    os.sched_setaffinity(0, cores)  # ...which later tests and their subprocesses would inherit
+    return GeneratorHandle(cfg, envs), cfg
+
+
+def collect(gen, n, timeout=120):
+    """The next n finished samples (events are skipped)."""
+    out = []
+    while len(out) < n:
+        msg = gen.get(timeout)
+        assert msg is not None, f"no sample within {timeout}s"
+        if msg[0] == "sample":
+            out.append(msg[1])
+    return out
+
+
+def train(*args, timeout=600):
+    """train.py to its end, as a user runs it from the repository root; it must succeed."""
+    r = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def wait_for(proc, prefix, timeout=300):
+    """Read train.py's stdout up to a line that starts with `prefix`."""
+    t0 = time.time()
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return
+        assert time.time() - t0 < timeout
+    raise AssertionError(f"train.py ended before {prefix!r}: " + proc.stderr.read()[-3000:])
+
+# -----------------------------------------------------------------------------
+# the independent references: Hugging Face transformers
+
+
+def hf_model(cfg):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def perturbed(model, seed, scale=0.5):
+    """A copy of the weights with noise of `scale` x each tensor's std: far enough
+    from the original that a tensor the sync misses shows up in the logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in model.state_dict().items():
+        noise = torch.randn(v.shape, generator=g) * (v.float().std().nan_to_num(0.0) * scale + 1e-3)
+        sd[k] = (v + noise).to(v.dtype)
+    return sd
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt_ids, token_ids, temperature=1.0):
+    """log p(token_j | prompt, tokens_<j) for every answer token, teacher-forced,
+    from the logits over `temperature` (what vLLM samples from)."""
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
+    P = len(prompt_ids)
+    return logp[P - 1:-1].gather(-1, torch.tensor(token_ids)[:, None].long())[:, 0]
+
+
+@torch.no_grad()
+def hf_stale_logprobs(old, new, prompt, tokens, k, temperature):
+    """What the stale regime computes: KV of prompt + tokens[:k-1] written by `old`
+    (token k-1 was sampled by old but not yet fed through the model), then `new`
+    feeds tokens[k-1:] attending to that cache. Returns logprobs of tokens[k:]."""
+    ctx = torch.tensor([prompt + tokens[:k - 1]])
+    cache = old(ctx, use_cache=True).past_key_values
+    logits = new(torch.tensor([tokens[k - 1:]]), past_key_values=cache, use_cache=True).logits[0, :-1]
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(tokens[k:])[:, None])[:, 0]
+
+# -----------------------------------------------------------------------------
+# a weight switch at a fixed engine step, on an engine in this process (the
+# Generator and the regimes as lesson.py drives them; tests/test_regimes.py says how)
+
+T = 0.7  # not 1: every reference must divide the logits by the sampling temperature, as vLLM does
+LONG = ("--synth-steps", "8", "--max-new-tokens", "96", "--group-size", "4", "--prompts-per-step", "4",
+        "--temperature", str(T))
+ENGINES = {}  # model -> the engine the tests share
+
+
+def generator(regime, *args):
+    """A Generator on the shared engine, its regime and its outbox, as lesson.py makes them."""
+    from transformers import AutoTokenizer
+    from data import load_problems
+    from engine import Generator, make_engine
+    from lesson import parse_config
+    from regimes import make_regime
+    cfg = parse_config(["--regime", regime, *LONG, "--max-lag", "1", *args])
+    regime = make_regime(regime)
+    cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])
+    if cfg["model"] not in ENGINES:
+        ENGINES[cfg["model"]] = make_engine(cfg)
+    outbox = []
+    gen = Generator(cfg, ENGINES[cfg["model"]], load_problems("synth", "train", n=64, steps="8"),
+                    AutoTokenizer.from_pretrained(cfg["model_path"]), outbox)
+    return gen, regime, outbox, cfg
+
+
+def run_with_switch(regime, n=32, model_args=(), at_step=20):
+    """Admit, take `at_step` engine steps under v0 (sync: its whole batch), switch to
+    perturbed weights v1 through the regime, then write every answer admitted before
+    v2 would be needed. Returns (the first n samples, old HF model, new HF model, stats)."""
+    from engine import load_in_place
+    from grpo import as_tensors
+    gen, regime, outbox, cfg = generator(regime, *model_args)
+    old, new = hf_model(cfg), hf_model(cfg)
+    new.load_state_dict(perturbed(old, seed=3))
+    load_in_place(gen.engine, 0, old.state_dict())  # the engine may hold an earlier test's weights
+    gen.admit()
+    for _ in range(at_step):
+        gen.step()
+    while cfg["max_lag"] == 0 and gen.inflight:  # sync: one batch per version, nothing in flight at a switch
+        gen.step()
+    while not regime.switch(gen, 1, new.state_dict()):  # drain: until the answers in flight finish
+        gen.step()
+    while gen.inflight or gen.may_admit():
+        gen.admit()
+        gen.step()
+    samples = [as_tensors(item) for kind, item in outbox if kind == "sample"]
+    assert len(samples) >= n
+    return samples[:n], old, new, gen.stats
+
+
+def split(s):
+    """k = how many answer tokens version 0 sampled."""
+    v = s["versions"]
+    return int((v == 0).sum())
+
+
+def spanning(samples):
+    out = [s for s in samples if 0 < split(s) < len(s["token_ids"])]
+    assert len(out) >= 3, "the forced update landed mid-answer in too few answers to test anything"
+    return out
+
+
+def check_prefix(s, old, tol=1e-3):
+    """Tokens sampled before the switch are the old model's, unflagged."""
+    k = split(s)
+    ref = hf_logprobs(old, s["prompt_ids"].tolist(), s["token_ids"][:k].tolist(), T)
+    assert (ref - s["logprobs"][:k]).abs().max() < tol
+    assert not s["stale"][:k].any()
+
+# -----------------------------------------------------------------------------
+# the checks the tiny model's tests run and tests/test_smol.py repeats on SmolLM2
+# (`model_args`: --model smol; `tol`: its looser tolerance)
+
+
+def check_sync_is_exact(model_args=(), tol=1e-3):
+    """tests/test_generator.py::test_sync_is_exact: push perturbed weights, generate
+    greedily under them: vLLM's tokens and logprobs equal the HF model's."""
+    gen, cfg = start("sync", "--prompts-per-step", "4", "--synth-steps", "3", "--max-new-tokens", "48", *model_args,
+                     temperature=0.0, group_size=1)
+    try:
+        model = hf_model(cfg)
+        eos = model.generation_config.eos_token_id  # tiny: 0; SmolLM2: <|im_end|>
+        collect(gen, 4)  # the batch of version 0
+
+        # 1. the wrong push: named_parameters() skips the tied lm_head.weight
+        bad = perturbed(model, seed=1)
+        model.load_state_dict(bad)
+        gen.push({k: v for k, v in model.named_parameters()})
+        diffs = [(hf_logprobs(model, s["prompt_ids"].tolist(), s["token_ids"].tolist()) - s["logprobs"]).abs().max()
+                 for s in collect(gen, 4)]
+        assert max(diffs) > 1e-2, f"a push without lm_head.weight went unnoticed (max diff {max(diffs):.2e})"
+
+        # 2. the right push: the whole state_dict; twice (the receiver keeps nothing
+        # between pushes: a second one must not depend on the first). The second as train.py
+        # pushes: posted without waiting, then settled, through a send budget far below the
+        # model (so the trainer waits for its oldest sends)
+        for version in (2, 3):
+            model.load_state_dict(perturbed(model, seed=version))
+            if version == 2:
+                assert gen.push(model.state_dict()) == version
+            else:
+                gen.send_budget = 64 * 2**10
+                assert gen.push(model.state_dict(), wait=False) == version
+                gen.settle()
+                assert not gen.pushing()
+            for s in collect(gen, 4):
+                prompt = s["prompt_ids"].tolist()
+                greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
+                                        pad_token_id=eos, eos_token_id=eos)[0, len(prompt):].tolist()
+                assert s["token_ids"].tolist() == greedy, "vLLM's greedy answer differs from HF's"
+                ref = hf_logprobs(model, prompt, s["token_ids"].tolist())
+                assert (ref - s["logprobs"]).abs().max() < tol
+                assert s["versions"].tolist() == [version] * len(greedy)
+    finally:
+        gen.stop()
+
+
+def check_stale_reads_old_kv(model_args=(), tol=1e-3, n=32):
+    """tests/test_regimes.py::test_stale_reads_old_kv: after the switch, the stale
+    regime's logprobs are HF's continuation of the old KV, not a full recompute."""
+    samples, old, new, stats = run_with_switch("stale", n, model_args)
+    worst_stale, best_fresh = 0.0, float("inf")
+    for s in spanning(samples):
+        prompt, tokens, k = s["prompt_ids"].tolist(), s["token_ids"].tolist(), split(s)
+        check_prefix(s, old, tol)
+        assert s["versions"][k:].eq(1).all() and s["stale"][k:].all()
+        stale_ref = hf_stale_logprobs(old, new, prompt, tokens, k, T)
+        fresh_ref = hf_logprobs(new, prompt, tokens, T)[k:]
+        worst_stale = max(worst_stale, (stale_ref - s["logprobs"][k:]).abs().max().item())
+        best_fresh = min(best_fresh, (fresh_ref - s["logprobs"][k:]).abs().max().item())
+    assert worst_stale < tol, f"stale logprobs differ from HF's old-KV continuation by {worst_stale:.2e}"
+    assert best_fresh > 1e-2, "a full recompute would match too: the test could not tell the regimes apart"
+    for s in samples:  # answers that started after the switch read only new KV
+        if split(s) == 0:
+            assert not s["stale"].any()
+    assert stats["recomputed_tokens"] == 0 and stats["discarded_tokens"] == 0
+
+
+def check_recompute_rebuilds_kv(model_args=(), tol=1e-3, n=32):
+    """tests/test_regimes.py::test_recompute_rebuilds_kv: after the switch, the
+    recompute regime's logprobs are HF's full recompute, not the stale continuation."""
+    samples, old, new, stats = run_with_switch("recompute", n, model_args)
+    worst_fresh, best_stale = 0.0, float("inf")
+    for s in spanning(samples):
+        prompt, tokens, k = s["prompt_ids"].tolist(), s["token_ids"].tolist(), split(s)
+        check_prefix(s, old, tol)  # the partial answer keeps its original logprobs and versions
+        assert s["versions"][k:].eq(1).all() and not s["stale"].any()
+        assert s["recomputed"] == len(prompt) + k
+        fresh_ref = hf_logprobs(new, prompt, tokens, T)[k:]
+        stale_ref = hf_stale_logprobs(old, new, prompt, tokens, k, T)
+        worst_fresh = max(worst_fresh, (fresh_ref - s["logprobs"][k:]).abs().max().item())
+        best_stale = min(best_stale, (stale_ref - s["logprobs"][k:]).abs().max().item())
+    assert worst_fresh < tol, f"recompute logprobs differ from HF's full recompute by {worst_fresh:.2e}"
+    assert best_stale > 1e-2, "the stale reference would match too: the test could not tell the regimes apart"
+    assert stats["recomputed_tokens"] > 0
+
+# -----------------------------------------------------------------------------
+# the trainer's step on a small model (no vLLM)
+
+
+def small_model(vocab=97, seed=0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  max_position_embeddings=512, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+
+
+def batch_of(lengths, vocab=97, seed=1):
+    """Answers of very different lengths after prompts of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [dict(prompt_ids=torch.randint(vocab, (5 + i % 7,), generator=g),
+                 token_ids=torch.randint(vocab, (n,), generator=g)) for i, n in enumerate(lengths)]
+
+
+def with_logprobs(batch):
+    for s in batch:
+        s["logprobs"] = torch.randn(len(s["token_ids"]), generator=torch.Generator().manual_seed(5)) - 4.6
+    return batch
+
+
+LOSS_CFG = dict(is_cap=2.0, clip_eps=0.2, icepop_low=0.5, icepop_high=5.0, geo_threshold=1.001, cispo_eps_low=1.0,
+                cispo_eps_high=4.0, gspo_eps_low=3e-4, gspo_eps_high=4e-4)  # config.py's defaults
+
+# -----------------------------------------------------------------------------
+# the run directory against its contract (runlog.py's docstring)
+
+METRIC_KEYS = {"step", "wall_s", "version", "reward_mean", "loss", "trained_tokens", "stale_token_frac",
+               "lag_mean", "spanning_frac", "gen_tok_per_s", "sync_s", "trainer_wait_s", "gen_idle_s",
+               "discarded_tokens", "recomputed_tokens", "ess", "clipped_frac", "kl", "kl_stale", "kl_fresh"}
+ACTIVITIES = {"starting", "generating", "draining", "loading", "idle", "evaluating", "training", "syncing",
+              "waiting", "saving", "done", "stopped"}
+
+
+def read(run, name):
+    with open(os.path.join(run, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_run(run, regime, steps):
+    """The run directory against its contract (runlog.py), and the regime's invariants
+    against its metrics (test_smoke.py, test_smol.py and test_ranks.py check their runs with it)."""
+    cfg = json.load(open(os.path.join(run, "config.json")))
+    assert cfg["regime"] == regime and cfg["steps"] == steps
+    metrics = [m for m in read(run, "metrics.jsonl") if m["step"] > 0]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:
+        assert METRIC_KEYS <= set(m), METRIC_KEYS - set(m)
+        assert m["trained_tokens"] > 0 and 0 <= m["reward_mean"] <= 1 and 0 <= m["boxed_frac"] <= 1
+        assert 0 <= m["truncated_frac"] <= 1 and 0 <= m["loss_tokens"] <= m["trained_tokens"]
+        assert m["lag_max"] <= (0 if regime == "sync" else cfg["max_lag"])
+    assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
+    evals = read(run, "eval_answers.jsonl")  # every evaluation's answers, graded as eval_acc counts them
+    for m in read(run, "metrics.jsonl"):
+        if "eval_acc" in m:
+            mine = [a for a in evals if a["step"] == m["step"]]
+            assert len(mine) == cfg["eval_n"] and sum(a["right"] for a in mine) / len(mine) == m["eval_acc"]
+    # an evaluation measures the weights pushed after its step: eval_version = version + 1
+    assert all(m["eval_version"] == m["version"] + 1 for m in metrics if "eval_acc" in m)
+    assert [m["version"] for m in metrics] == list(range(steps))
+    events = read(run, "events.jsonl")
+    n = cfg.get("engines", 1)
+    assert {e["proc"] for e in events} == {"trainer", *(["generator"] if n == 1 else [f"generator{i}" for i in range(n)])}
+    assert {e["what"] for e in events if "what" in e} <= ACTIVITIES  # the others are marks (plot.py)
+    assert any(e.get("what") == "loading" for e in events)
+    for proc in {e["proc"] for e in events} - {"trainer"}:  # each engine loads each version once, in order
+        loads = [e["version"] for e in events if e.get("mark") == "load" and e["proc"] == proc]
+        assert loads and loads == list(range(1, len(loads) + 1))  # (the last may not have been read)
+    # the wasted-work ledger and answers.jsonl agree with metrics.jsonl
+    led = json.load(open(os.path.join(run, "ledger.json")))["tokens"]
+    answers = read(run, "answers.jsonl")
+    assert len(answers) == steps * cfg["prompts_per_step"] * cfg["group_size"]
+    assert all(a["fate"] == "consumed" for a in answers)
+    assert sum(a["tokens"] for a in answers) == led["trained"] == sum(m["trained_tokens"] for m in metrics)
+    assert led["generated"] == led["trained"] + led["discarded"] + led["rejected"] + led["left_over"]
+    assert led["left_over"] >= 0
+    ckpt = os.path.join(run, "ckpt")
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
+        assert os.path.exists(os.path.join(ckpt, f)), f
+    # the regime's invariants, as the metrics show them
+    if regime == "sync":
+        assert all(m["lag_mean"] == 0 for m in metrics)
+    if regime in ("sync", "drain", "discard"):
+        assert all(m["spanning_frac"] == 0 for m in metrics)
+    if regime != "stale":
+        assert all(m["stale_token_frac"] == 0 for m in metrics)
+    if regime != "discard":
+        assert all(m["discarded_tokens"] == 0 for m in metrics)
+    if regime != "recompute":
+        assert all(m["recomputed_tokens"] == 0 for m in metrics)
+    else:
+        assert os.path.exists(os.path.join(run, "run.png"))
+
+# -----------------------------------------------------------------------------
+# the project's import graph (ast: nothing is imported to read it)
+
+
+def project_modules():
+    """{module name: path} for the lesson (root) and the tools (tools.x)."""
+    mods = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    mods.update({"tools." + os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))})
+    return mods
+
+
+def imports(path, mods):
+    """The project modules `path` imports anywhere in it (functions included: a lazy
+    import still makes a circle)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        found |= {n for n in names if n in mods}
+    return found
+
+
+def graph():
+    """{project module: the project modules it imports}, test_smoke.py left out."""
+    mods = project_modules()
+    return {m: imports(p, mods) - {m} for m, p in mods.items() if not os.path.basename(p).startswith("test_")}

@@ -26,6 +26,9 @@ from engine import Generator, kv_capacity, lane, make_engine
 from grpo import as_tensors
 from preflight import PUSH_AHEAD_BYTES  # how far a push's receive runs ahead of vLLM's loader
 
+SYNC_HOST = "127.0.0.1"  # the weight group's rendezvous: the engines run on trainer rank 0's machine
+START_TIMEOUT_S = 900  # for the engines to start (a model download, vLLM's warm-up), before the run stops
+
 # -----------------------------------------------------------------------------
 # weight sync: trainer side (rank 0) and vLLM worker side (ranks 1..N)
 
@@ -231,8 +234,6 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
     from regimes import make_regime
     torch.set_num_threads(cfg["gen_threads"])
     regime = make_regime(cfg["regime"])
-    if getattr(regime, "max_lag", None) is not None:
-        cfg = dict(cfg, max_lag=regime.max_lag)
     problems = load_problems(cfg["dataset"], "train", data_file=cfg.get("data_file"), steps=cfg["synth_steps"])
     random.Random(cfg["seed"]).shuffle(problems)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
@@ -249,7 +250,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
     samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,
                                         admit_at_once=gen.kv_answers)))
-    engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], 1 + gen.engine_id,
+    engine.collective_rpc("init_weight_group", args=(SYNC_HOST, cfg["sync_port"], 1 + gen.engine_id,
                                                      1 + cfg.get("engines", 1), cfg["sync_backend"]))
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     idle, steps, recent = False, 0, collections.deque(maxlen=256)  # recent: engine step times, s
@@ -378,7 +379,7 @@ class GeneratorHandle:
         import torch.multiprocessing as mp
         self.n = len(envs)
         listen = socket.socket()  # the weight group's store: this port, bound here, handed to vLLM's helper
-        listen.bind((cfg["sync_host"], 0))
+        listen.bind((SYNC_HOST, 0))
         listen.listen()
         cfg = dict(cfg, sync_port=listen.getsockname()[1], engines=self.n)
         ctx = mp.get_context("spawn")  # vLLM and CUDA do not survive fork
@@ -400,13 +401,13 @@ class GeneratorHandle:
         self.stall_report = None
         infos = {}
         while len(infos) < self.n:
-            if (msg := self.get(timeout=cfg["start_timeout"])) is None:
-                self.stalled(cfg["start_timeout"], [i for i in range(self.n) if i not in infos])
+            if (msg := self.get(timeout=START_TIMEOUT_S)) is None:
+                self.stalled(START_TIMEOUT_S, [i for i in range(self.n) if i not in infos])
             assert msg[0] == "engine_ready", msg[0]
             infos[msg[1]["engine"]] = msg[1]
         # the KV cache's size (preflight.check_kv_plan): the smallest engine's
         self.engine_info = min(infos.values(), key=lambda info: info["admit_at_once"])
-        self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, 1 + self.n, cfg["sync_backend"],
+        self.group = init_weight_group(SYNC_HOST, cfg["sync_port"], 0, 1 + self.n, cfg["sync_backend"],
                                        listen_socket=listen)
 
     def name(self, i):

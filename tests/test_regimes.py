@@ -36,8 +36,7 @@ def generator(regime, *args):
     from transformers import AutoTokenizer
     from data import load_problems
     cfg = parse_config(["--regime", regime, *LONG, "--max-lag", "1", *args])
-    regime = make_regime(regime)
-    cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])
+    regime = make_regime(regime)  # cfg["max_lag"]: the regime's (config.fill: sync's is 0)
     if cfg["model"] not in ENGINES:
         ENGINES[cfg["model"]] = make_engine(cfg)
     outbox = []

@@ -174,7 +174,7 @@ def keep_to_gen_cores():
 
 def stack_file(cfg):
     """Where the generator writes its Python stack when the trainer sends SIGUSR1."""
-    return os.path.join(cfg["out"], f"{lane(cfg)}-stack.txt")
+    return os.path.join(cfg["out"], f"{lane(cfg['engine'], cfg['engines'])}-stack.txt")
 
 
 def generator_main(cfg, samples_q, control_q, joined):
@@ -246,7 +246,9 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
         stall_test_hook("push", version, cfg.get("engine", 0))
         joined.value = version
         return receive_broadcast(engine, version, specs, cfg.get("push_ahead_bytes", PUSH_AHEAD_BYTES))
-    gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive)
+    gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive, engine_id=cfg["engine"],
+                    engines=cfg["engines"], start_version=cfg["start_version"], start_group=cfg["start_group"],
+                    skip_groups=cfg["skip_groups"], start_stats=cfg["start_stats"], queue_size=cfg["queue_size"])
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
     samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,
                                         admit_at_once=gen.kv_answers)))

@@ -136,9 +136,9 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def default_text(key):
+def default_text(key, presets=True):
     """What --help says of a flag that fill sets: its default, per dataset where they
-    differ, and each preset's where it changes it."""
+    differ, and each preset's where it changes it (eval.py has no presets)."""
     def settings(dataset, preset={}):  # what fill makes of --dataset and --preset alone
         s = {**BASE, **DEFAULTS[dataset], **preset}
         return {**s, **{k: rule(s) for k, rule in DERIVED.items() if k not in preset}}
@@ -146,7 +146,7 @@ def default_text(key):
     for dataset in DEFAULTS:
         by.setdefault(settings(dataset)[key], []).append(dataset)
     text = f"{next(iter(by))}" if len(by) == 1 else ", ".join(f"{'/'.join(ds)} {v}" for v, ds in by.items())
-    for name, preset in PRESETS.items():
+    for name, preset in PRESETS.items() if presets else ():
         if (v := settings(preset["dataset"], preset)[key]) != settings(preset["dataset"])[key]:
             text += f"; --preset {name}: {v}"
     return f"default: {text}"

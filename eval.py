@@ -52,15 +52,15 @@ def main():
     parser.add_argument("--dataset", default=BASE["dataset"], choices=DATASETS, help="which test split")
     # the rest: what train.py evaluates with on --dataset (config.DEFAULTS), so that the numbers compare
     parser.add_argument("--n", type=int, default=None,
-                        help=f"number of test problems, the first n (train.py's --eval-n: {config.default_text('eval_n')})")
+                        help=f"number of test problems, the first n (train.py's --eval-n: {config.default_text('eval_n', presets=False)})")
     parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema "
                                                           "(default: the Hub's)")
     parser.add_argument("--synth-steps", default=BASE["synth_steps"],
                         help="operations per synth problem: S or a long-tailed range A-B")
     parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help=f"answer length cap ({config.default_text('max_new_tokens')})")
+                        help=f"answer length cap ({config.default_text('max_new_tokens', presets=False)})")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help=f"prompt + answer cap ({config.default_text('max_model_len')})")
+                        help=f"prompt + answer cap ({config.default_text('max_model_len', presets=False)})")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
     parser.add_argument("--show", type=int, default=0, help="print the first N answers, how each ended and its score: "
                                                             "read what the model writes, not only the number")

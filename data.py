@@ -104,8 +104,8 @@ SCHEMA = {  # dataset -> fields a row needs, and what the error message shows of
 
 class UsageError(Exception):
     """A user's mistake (a missing or malformed file, a bad path, flags that cannot
-    work together): train.py and eval.py print it as one line on stderr and exit
-    with code 2, no traceback. Anything else is this project's bug and keeps its
+    work together): train.py, lesson.py and eval.py print it as one line on stderr and
+    exit with code 2, no traceback (config.run). Anything else is this project's bug and keeps its
     traceback."""
 
 

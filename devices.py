@@ -15,7 +15,6 @@ import os
 import re
 
 from data import UsageError
-from preflight import model_path
 
 
 def physical_gpu(device):
@@ -135,10 +134,10 @@ def resolve_devices(cfg, world=1, local_rank=0):
 
 
 def prepare(cfg, world=1, local_rank=0):
-    """Devices, the model's path and the generator's runtime settings; returns each
-    engine's environment."""
-    cfg["model_path"] = model_path(cfg["model"])
+    """Where each process runs (resolve_devices) and what follows from it: activation
+    checkpointing, on by --grad-checkpointing auto on a GPU. The settings that follow
+    from the flags alone are config.fill's. Returns each engine's environment."""
     envs = resolve_devices(cfg, world, local_rank)
-    batch = cfg["prompts_per_step"] * cfg["group_size"]
-    cfg.update(start_version=0, start_group=0, sync_host="127.0.0.1", queue_size=4 * batch, start_timeout=900)
+    cfg["checkpointing"] = cfg["grad_checkpointing"] == "on" or (cfg["grad_checkpointing"] == "auto"
+                                                                 and cfg["trainer_device"] != "cpu")
     return envs

@@ -202,22 +202,31 @@ def watch_preemptions(engine, on_preempt):
     scheduler._preempt_request = counted
 
 
-def lane(cfg):
+def lane(engine_id=0, engines=1):
     """The engine's name in events, answers.jsonl and its files: "generator", or
     "generator<i>" when there are several."""
-    return "generator" if cfg.get("engines", 1) == 1 else f"generator{cfg.get('engine', 0)}"
+    return "generator" if engines == 1 else f"generator{engine_id}"
 
 
 class Generator:
     """Owns the engine, the answers in flight and the weight version. The regime
     calls submit/abort_all/load_weights; everything else is bookkeeping.
 
+    cfg: the run's settings (config.fill): the task, sampling, the batch, --max-lag.
     outbox: a list the Generator appends to, ("sample", finished answer) and ("event",
     timeline entry); whoever drives it empties it. clock: what it reads the time from
     (WallClock by default). receive(engine, version, weights): how new weights get into
-    the engine (load_in_place by default; the generator process receives a broadcast)."""
+    the engine (load_in_place by default; the generator process receives a broadcast).
+    The rest is the generator process's (generator.py; the defaults are the lesson's):
+    engine_id of `engines` (engine i writes the groups g = i mod engines); where a
+    resumed run starts (start_version, start_group: the data position, skip_groups: the
+    groups after it already consumed or rejected, start_stats: its counters);
+    queue_size: finished answers it may hold before it stops admitting (the lesson
+    empties the outbox every turn)."""
 
-    def __init__(self, cfg, engine, problems, tokenizer, outbox, clock=None, receive=load_in_place):
+    def __init__(self, cfg, engine, problems, tokenizer, outbox, clock=None, receive=load_in_place, *,
+                 engine_id=0, engines=1, start_version=0, start_group=0, skip_groups=(), start_stats=None,
+                 queue_size=float("inf")):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from data import make_prompt
@@ -229,19 +238,19 @@ class Generator:
         self.params = lambda max_tokens: SamplingParams(
             temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,
             detokenize=False, output_kind=RequestOutputKind.DELTA)
-        self.version = self.start_version = cfg.get("start_version", 0)  # > 0 when resuming
+        self.version = self.start_version = start_version  # > 0 when resuming
         self.inflight = {}  # request id -> Rollout
         # engine i of N writes the groups g = i mod N, from the data position on (pace.Pool.position)
-        self.engine_id, engines = cfg.get("engine", 0), cfg.get("engines", 1)
-        self.proc = lane(cfg)  # its lane on the timeline
-        self.start_group = cfg.get("start_group", 0)
+        self.engine_id, self.engines, self.queue_size = engine_id, engines, queue_size
+        self.proc = lane(engine_id, engines)  # its lane on the timeline
+        self.start_group = start_group
         self.next_group = self.start_group + (self.engine_id - self.start_group) % engines
-        self.skip = set(cfg.get("skip_groups", ()))  # groups after it already consumed or rejected (resume)
+        self.skip = set(skip_groups)  # groups after it already consumed or rejected (resume)
         self.rejected = 0  # groups the trainer's pool rejected since this generator started (may_admit)
         self.admitting = True  # drain turns this off while it finishes old answers
         self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
                           recomputed_tokens=0, loads=0, preempted=0)
-        self.stats.update(cfg.get("start_stats") or {})  # resume: the run's counters at its checkpoint
+        self.stats.update(start_stats or {})  # resume: the run's counters at its checkpoint
         # requests in the engine at once (training + eval): at most what its KV cache holds
         self.kv_answers = min(cfg["max_num_seqs"], kv_capacity(engine, cfg["max_model_len"])[0])
         watch_preemptions(engine, self.preempted)
@@ -318,14 +327,14 @@ class Generator:
         KV cache (kv_capacity)."""
         versions = self.version - self.start_version + self.cfg["max_lag"] + 1
         budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
-        handed_over = len(self.outbox) < self.cfg.get("queue_size", float("inf"))  # lesson.py empties it every turn
+        handed_over = len(self.outbox) < self.queue_size  # lesson.py empties it every turn
         return (self.admitting and self.next_group < budget and handed_over
                 and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers)
 
     def admit(self):
         while self.may_admit():
             g = self.next_group
-            self.next_group += self.cfg.get("engines", 1)
+            self.next_group += self.engines
             if g in self.skip:  # consumed or rejected before the run was resumed
                 continue
             pid = g % len(self.prompts)  # the problem list is already shuffled

@@ -10,10 +10,11 @@ engine (so it measures exactly the weights the generator holds).
 
 import argparse
 import os
-import sys
 
-from data import UsageError, load_problems, make_prompt
-from preflight import check_budget, check_model, model_path
+import config
+from config import BASE, DEFAULTS, model_path
+from data import DATASETS, load_problems, make_prompt
+from preflight import check_budget, check_model
 
 
 def eval_prompts(tokenizer, problems, dataset):
@@ -29,30 +30,46 @@ def grade(completions, problems, dataset, truncated=None):
     return [score(c, p["answer"], dataset) * (not cut) for c, p, cut in zip(completions, problems, truncated)]
 
 
+def scored(answers, tokenizer, problems, dataset, log, step, version):
+    """An evaluation of both trainers: greedy answers, (token ids, finish reason) per test
+    problem in order, graded (one cut at the length cap is wrong) and kept in
+    eval_answers.jsonl (runlog.RunLog.evaluation); returns the step's eval metrics."""
+    texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
+    cut = [reason == "length" for _, reason in answers]
+    right = grade(texts, problems, dataset, cut)
+    log.evaluation(step, version, texts, problems, cut, right)
+    return dict(eval_acc=sum(right) / max(1, len(problems)), eval_truncated_frac=sum(cut) / len(cut))
+
+
 def pass_at_1(completions, problems, dataset, truncated=None):
     """Share of problems answered right (grade)."""
     return sum(grade(completions, problems, dataset, truncated)) / max(1, len(problems))
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=config.Help)
     parser.add_argument("--model", required=True, help="checkpoint directory or Hub id ('tiny', 'smol': the presets)")
-    parser.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="which test split")
-    parser.add_argument("--n", type=int, default=200, help="number of test problems (the first n)")
-    parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema")
-    parser.add_argument("--synth-steps", default="2", help="operations per synth problem: S or a long-tailed range A-B")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 for synth, 1024 otherwise")
+    parser.add_argument("--dataset", default=BASE["dataset"], choices=DATASETS, help="which test split")
+    # the rest: what train.py evaluates with on --dataset (config.DEFAULTS), so that the numbers compare
+    parser.add_argument("--n", type=int, default=None,
+                        help=f"number of test problems, the first n (train.py's --eval-n: {config.default_text('eval_n', presets=False)})")
+    parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema "
+                                                          "(default: the Hub's)")
+    parser.add_argument("--synth-steps", default=BASE["synth_steps"],
+                        help="operations per synth problem: S or a long-tailed range A-B")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"answer length cap ({config.default_text('max_new_tokens', presets=False)})")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="prompt + answer cap (default: the model's positions for synth, 4096 otherwise)")
+                        help=f"prompt + answer cap ({config.default_text('max_model_len', presets=False)})")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
     parser.add_argument("--show", type=int, default=0, help="print the first N answers, how each ended and its score: "
                                                             "read what the model writes, not only the number")
     args = parser.parse_args()
-    model = model_path(args.model)
-    problems = load_problems(args.dataset, "test", n=args.n, data_file=args.data_file, steps=args.synth_steps)
+    model, defaults = model_path(args.model), DEFAULTS[args.dataset]
+    problems = load_problems(args.dataset, "test", n=args.n or defaults["eval_n"], data_file=args.data_file, steps=args.synth_steps)
     check_model(model)  # before vLLM starts: one line for a path that is not there
-    max_new = args.max_new_tokens or (256 if args.dataset == "synth" else 1024)
-    max_len = args.max_model_len or (None if args.dataset == "synth" else 4096)
+    max_new = args.max_new_tokens or defaults["max_new_tokens"]
+    max_len = args.max_model_len or defaults["max_model_len"]
     check_budget(model, args.dataset, problems, max_new, max_len, name=args.model)  # as train.py: one line, not vLLM's
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # CPU: a fixed KV cache (GiB), as train.py gives the generator; without it vLLM asks for
@@ -78,8 +95,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UsageError as e:  # a user's mistake (train.py does the same): one line, exit code 2
-        print(f"eval.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    config.run(main, "eval.py")  # a user's mistake (as train.py): one line, exit code 2

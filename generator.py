@@ -26,6 +26,9 @@ from engine import Generator, kv_capacity, lane, make_engine
 from grpo import as_tensors
 from preflight import PUSH_AHEAD_BYTES, PUSH_SEND_BYTES  # how far a push runs ahead: the engine's receive, the trainer's send
 
+SYNC_HOST = "127.0.0.1"  # the weight group's rendezvous: the engines run on trainer rank 0's machine
+START_TIMEOUT_S = 900  # for the engines to start (a model download, vLLM's warm-up), before the run stops
+
 # -----------------------------------------------------------------------------
 # weight sync: trainer side (rank 0) and vLLM worker side (ranks 1..N)
 
@@ -192,7 +195,7 @@ def keep_to_gen_cores():
 
 def stack_file(cfg):
     """Where the generator writes its Python stack when the trainer sends SIGUSR1."""
-    return os.path.join(cfg["out"], f"{lane(cfg)}-stack.txt")
+    return os.path.join(cfg["out"], f"{lane(cfg['engine'], cfg['engines'])}-stack.txt")
 
 
 def generator_main(cfg, samples_q, control_q, joined):
@@ -252,8 +255,6 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
     from regimes import make_regime
     torch.set_num_threads(cfg["gen_threads"])
     regime = make_regime(cfg["regime"])
-    if getattr(regime, "max_lag", None) is not None:
-        cfg = dict(cfg, max_lag=regime.max_lag)
     problems = load_problems(cfg["dataset"], "train", data_file=cfg.get("data_file"), steps=cfg["synth_steps"])
     random.Random(cfg["seed"]).shuffle(problems)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
@@ -266,11 +267,13 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
         stall_test_hook("push", version, cfg.get("engine", 0))
         joined.value = version
         return receive_broadcast(engine, version, specs, cfg.get("push_ahead_bytes", PUSH_AHEAD_BYTES))
-    gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive)
+    gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive, engine_id=cfg["engine"],
+                    engines=cfg["engines"], start_version=cfg["start_version"], start_group=cfg["start_group"],
+                    skip_groups=cfg["skip_groups"], start_stats=cfg["start_stats"], queue_size=cfg["queue_size"])
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
     samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,
                                         admit_at_once=gen.kv_answers)))
-    engine.collective_rpc("init_weight_group", args=(cfg["sync_host"], cfg["sync_port"], 1 + gen.engine_id,
+    engine.collective_rpc("init_weight_group", args=(SYNC_HOST, cfg["sync_port"], 1 + gen.engine_id,
                                                      1 + cfg.get("engines", 1), cfg["sync_backend"]))
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     idle, steps, recent = False, 0, collections.deque(maxlen=256)  # recent: engine step times, s
@@ -399,7 +402,7 @@ class GeneratorHandle:
         import torch.multiprocessing as mp
         self.n = len(envs)
         listen = socket.socket()  # the weight group's store: this port, bound here, handed to vLLM's helper
-        listen.bind((cfg["sync_host"], 0))
+        listen.bind((SYNC_HOST, 0))
         listen.listen()
         cfg = dict(cfg, sync_port=listen.getsockname()[1], engines=self.n)
         ctx = mp.get_context("spawn")  # vLLM and CUDA do not survive fork
@@ -423,13 +426,13 @@ class GeneratorHandle:
         self.pending = None  # the push in flight: (done, finish, its watchdog) (push with wait=False)
         infos = {}
         while len(infos) < self.n:
-            if (msg := self.get(timeout=cfg["start_timeout"])) is None:
-                self.stalled(cfg["start_timeout"], [i for i in range(self.n) if i not in infos])
+            if (msg := self.get(timeout=START_TIMEOUT_S)) is None:
+                self.stalled(START_TIMEOUT_S, [i for i in range(self.n) if i not in infos])
             assert msg[0] == "engine_ready", msg[0]
             infos[msg[1]["engine"]] = msg[1]
         # the KV cache's size (preflight.check_kv_plan): the smallest engine's
         self.engine_info = min(infos.values(), key=lambda info: info["admit_at_once"])
-        self.group = init_weight_group(cfg["sync_host"], cfg["sync_port"], 0, 1 + self.n, cfg["sync_backend"],
+        self.group = init_weight_group(SYNC_HOST, cfg["sync_port"], 0, 1 + self.n, cfg["sync_backend"],
                                        listen_socket=listen)
 
     def name(self, i):

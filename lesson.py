@@ -41,7 +41,6 @@ import json
 import os
 import random
 import shutil
-import sys
 
 # vLLM's engine core in this process: one engine.step() is one forward pass, done when it returns
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -50,11 +49,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every weight l
 
 import config
 from data import UsageError
-from eval import eval_prompts, grade
+from eval import eval_prompts, scored
 from grpo import (as_tensors, batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
                   optimizer_step, run_tokens, score_batch, token_weights, train_step)
 from pace import Pool, pool_stats
-from preflight import check_budget, check_model, load_splits, model_path
+from preflight import check_budget, check_model, load_splits
 from regimes import make_regime
 from runlog import RunLog, step_line, write_ledger
 
@@ -76,22 +75,20 @@ class SimClock:
 
 def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    config.add_flags(p)  # train.py's flags, defaults and presets, where they apply
+                                formatter_class=config.Help)
+    config.add_flags(p, "lesson")  # train.py's flags, defaults and presets, where they apply
     # the defaults: tools/clock_costs.py on a train.py run (docstring); yours: run it on one of your runs
     p.add_argument("--step-s", type=float, default=0.0183, help="simulated seconds per engine step")
     p.add_argument("--prefill-s", type=float, default=5.3e-5, help="... plus this per token whose KV it prefills")
     p.add_argument("--train-s", type=float, default=1.16e-4,
                    help="simulated seconds per token a trainer step runs through the model (grpo.run_tokens)")
     p.add_argument("--load-s", type=float, default=0.040, help="simulated seconds per weight load")
-    cfg = config.fill(vars(p.parse_args(argv)))
+    cfg = config.fill(vars(p.parse_args(argv)), "lesson")  # and what follows from them (sync: --max-lag 0)
     for k in ("step_s", "prefill_s", "train_s", "load_s"):
         if not cfg[k] >= 0:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 0 (simulated seconds), got {cfg[k]}")
     if cfg["step_s"] <= 0:
         raise UsageError("--step-s must be > 0: every engine step takes time, or simulated time never moves")
-    name = f"lesson-{cfg['regime']}-{cfg['preset'] or cfg['dataset']}-s{cfg['seed']}"
-    cfg.update(model_path=model_path(cfg["model"]), out=cfg["out"] or os.path.join("out", name))
     return cfg
 
 
@@ -141,7 +138,6 @@ def main(argv=None, engine=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from engine import Generator, load_in_place, make_engine
     regime = make_regime(cfg["regime"])
-    cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])  # sync: one batch per version
     fresh_run_dir(cfg["out"])
     with open(os.path.join(cfg["out"], "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
@@ -161,13 +157,8 @@ def main(argv=None, engine=None):
 
     def evaluate(step, version):
         """Greedy pass@1 of the generator's weights on the test problems, each answer kept in
-        eval_answers.jsonl; the engine's steps cost clock time."""
-        answers = gen.evaluate(eval_ids, cfg["max_new_tokens"])
-        texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
-        cut = [reason == "length" for _, reason in answers]
-        right = grade(texts, test, cfg["dataset"], cut)
-        log.evaluation(step, version, texts, test, cut, right)
-        return dict(eval_acc=sum(right) / max(1, len(test)), eval_truncated_frac=sum(cut) / len(cut))
+        eval_answers.jsonl (eval.scored); the engine's steps cost clock time."""
+        return scored(gen.evaluate(eval_ids, cfg["max_new_tokens"]), tokenizer, test, cfg["dataset"], log, step, version)
 
     log.trainer("waiting")
     if cfg["eval_every"]:
@@ -238,8 +229,4 @@ def main(argv=None, engine=None):
 
 
 if __name__ == "__main__":  # vLLM may start helper processes: the guard keeps them from running this file
-    try:
-        main()
-    except UsageError as e:  # a user's mistake: one line, no traceback
-        print(f"lesson.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    config.run(main, "lesson.py")  # a user's mistake (UsageError): one line, exit code 2

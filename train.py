@@ -47,10 +47,10 @@ from runlog import RunLog, step_line, write_ledger
 
 def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    config.add_flags(p)
+                                formatter_class=config.Help)
+    config.add_flags(p, "train")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (the last step always)")
-    p.add_argument("--resume", default=None, help="run directory to continue from its checkpoint")
+    p.add_argument("--resume", default=None, help="run directory to continue from its checkpoint (default: none, a new run)")
     p.add_argument("--engines", type=int, default=1, help="generator engines, each its own process and vLLM engine")
     p.add_argument("--gen-device", default="auto", help="generator device: auto, cpu, cuda:N, or one per engine: "
                                                         "cuda:0,cuda:1 (auto: the first GPUs, the trainer's the next)")
@@ -65,15 +65,13 @@ def parse_config(argv=None):
                         "stop with its stack (0: from --max-new-tokens and its slowest engine step, "
                         "generator.GeneratorHandle.stall_bound)")
     args = p.parse_args(argv)
-    if args.resume:  # the saved config wins; only --steps may grow
+    if args.resume:  # the saved config wins; only --steps may grow; it goes on from its checkpoint
         cfg = resume_config(args.resume, args.steps, defaults=vars(p.parse_args([])))
         if cfg["lr_schedule"] == "cosine" and cfg["steps"] > cfg["schedule_steps"]:
             raise UsageError(f"--resume {args.resume} --steps {cfg['steps']}: its cosine schedule reaches lr 0 at step "
                              f"{cfg['schedule_steps']}; a run with --lr-schedule constant can be extended")
-        return {**cfg, **{k: v for k, v in config.BASE.items() if cfg[k] is None}}
-    cfg = config.fill(vars(args))
-    cfg["out"] = cfg["out"] or os.path.join("out", f"{cfg['regime']}-{cfg['dataset']}-s{cfg['seed']}-{time.strftime('%m%d-%H%M%S')}")
-    return cfg
+        return config.fill(cfg, "train")  # flags added since it was saved
+    return config.fill(vars(args), "train")  # and what follows from them (sync: --max-lag 0)
 
 # -----------------------------------------------------------------------------
 # the run
@@ -85,27 +83,23 @@ def main(argv=None):
     train_problems, test = load_splits(cfg)  # a bad file or flag stops the run here, in seconds
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from eval import eval_prompts, grade
+    from eval import eval_prompts, scored
     from generator import GeneratorHandle
     from pace import Pool, pool_stats
 
     ranks = Ranks()  # torchrun's trainer ranks, or this one process (ranks.py)
-    envs = prepare(cfg, ranks.world, ranks.local_rank)  # devices, the model's directory, the generators' settings
+    envs = prepare(cfg, ranks.world, ranks.local_rank)  # where each process runs, and what follows from it
     check_model(cfg["model_path"])
     check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"],
                  cfg["max_model_len"], name=cfg["model"])
     device = cfg["trainer_device"]
-    cfg["checkpointing"] = cfg["grad_checkpointing"] == "on" or cfg["grad_checkpointing"] == "auto" and device != "cpu"
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
     # what a checkpoint saves of the run's progress (rundir.save_checkpoint): zero at the start
     progress = dict(step=0, version=0, data_position=0, done_groups=[], gen_stats={}, trainer_cpu_s=0.0)
     if cfg.get("resume"):
         state = load_trainer_state(cfg["resume"])
-        progress = {k: state.get(k, v) for k, v in progress.items()}
-        cfg.update(model_path=os.path.join(cfg["resume"], "ckpt"), start_version=progress["version"],
-                   start_group=progress["data_position"], skip_groups=progress["done_groups"],
-                   start_stats=progress["gen_stats"])
+        progress = {k: state.get(k, v) for k, v in progress.items()}  # cfg has them too (rundir.resume_config)
     start_step, version = progress["step"], progress["version"]
     check_memory_plan(cfg, LOGIT_CHUNK_BYTES, ranks.world)
     ranks.start(device)
@@ -160,11 +154,7 @@ def main(argv=None):
         answers, other = gen.evaluate(eval_prompt_ids, cfg["max_new_tokens"])
         for m in other:  # training answers that finished meanwhile
             intake(m)
-        texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
-        truncated = [reason == "length" for _, reason in answers]
-        right = grade(texts, test, cfg["dataset"], truncated)
-        log.evaluation(step, version, texts, test, truncated, right)
-        return dict(eval_acc=sum(right) / max(1, len(test)), eval_truncated_frac=sum(truncated) / len(truncated))
+        return scored(answers, tokenizer, test, cfg["dataset"], log, step, version)  # as lesson.py's
 
     waited = [0.0]  # how long this step's optimizer step waited for the last push (settle)
 
@@ -295,10 +285,4 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, schedulers: stop as Ctrl-C does
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack on stderr
-    try:
-        main()
-    except UsageError as e:  # a user's mistake: one line, no traceback
-        print(f"train.py: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (GeneratorDied, TrainingDiverged) as e:
-        sys.exit(f"train.py: {e}")
+    config.run(main, "train.py", GeneratorDied, TrainingDiverged)  # a user's mistake: one line, exit code 2

@@ -128,8 +128,7 @@ def generator(regime, *args):
     from lesson import parse_config
     from regimes import make_regime
     cfg = parse_config(["--regime", regime, *LONG, "--max-lag", "1", *args])
-    regime = make_regime(regime)
-    cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])
+    regime = make_regime(regime)  # cfg["max_lag"]: the regime's (config.fill: sync's is 0)
     if cfg["model"] not in ENGINES:
         ENGINES[cfg["model"]] = make_engine(cfg)
     outbox = []
@@ -324,7 +323,7 @@ def check_run(run, regime, steps):
         assert METRIC_KEYS <= set(m), METRIC_KEYS - set(m)
         assert m["trained_tokens"] > 0 and 0 <= m["reward_mean"] <= 1 and 0 <= m["boxed_frac"] <= 1
         assert 0 <= m["truncated_frac"] <= 1 and 0 <= m["loss_tokens"] <= m["trained_tokens"]
-        assert m["lag_max"] <= (0 if regime == "sync" else cfg["max_lag"])
+        assert m["lag_max"] <= cfg["max_lag"]  # config.json: what the run used (sync: 0)
     assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
     evals = read(run, "eval_answers.jsonl")  # every evaluation's answers, graded as eval_acc counts them
     for m in read(run, "metrics.jsonl"):

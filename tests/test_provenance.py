@@ -30,7 +30,7 @@ def run_with_switch(regime):
     needs v2 (--max-lag 1: 3 batches of 4 x 4), so every answer that was in flight
     at the switch has finished. Returns (samples, the load's mark, gen_stats)."""
     from transformers import AutoModelForCausalLM
-    from preflight import model_path
+    from config import model_path
     weights = AutoModelForCausalLM.from_pretrained(model_path("tiny")).state_dict()  # ready before generation starts
     gen, cfg = start(regime, *LONGER, "--max-lag", "1")
     samples, marks = [], []

@@ -25,7 +25,7 @@ def setup():
     std (far enough that stale and fresh differ clearly), a few answers sampled from v."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from data import load_problems
-    from preflight import model_path
+    from config import model_path
     torch.set_num_threads(1)  # tiny ops; more threads only spin against other processes on the cores
     torch.manual_seed(0)
     cfg = study.parse_config(["--prompts", "2", "--group-size", "2", "--max-new-tokens", "64"])

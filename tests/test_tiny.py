@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from preflight import model_path
+from config import model_path
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-long"])

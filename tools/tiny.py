@@ -11,7 +11,7 @@ checkpoint.
 
 The repository ships the warm-started weights (weights/tiny, 3 MB): the same recipe
 gives a different model on a different processor, and every newcomer should start
-from the README's numbers: `--model tiny` is weights/tiny (preflight.PRESET_MODELS).
+from the README's numbers: `--model tiny` is weights/tiny (config.PRESET_MODELS).
 A build is cached under out/<name>-<hash>/, where the hash covers the recipe below and
 the code that makes the data and the model (train.py --model out/tiny-<hash> uses
 it); a test fails while the shipped weights' hash is not the current one, so

@@ -244,8 +244,3 @@ def hub_id_shaped(name):
     return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
         and "--" not in name and ".." not in name
 
-
-def hub_id_shaped(name):
-    """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
-    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
-        and "--" not in name and ".." not in name

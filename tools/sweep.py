@@ -405,7 +405,7 @@ def plot_acc(ax, rows, target):
 def plot_shares(ax, rows, procs):
     """Stacked shares of each process's time (ledger.json), mean over seeds, one bar per
     regime (and pool) and process in procs; x labels in the regimes' colours."""
-    x, labels = 0, []
+    labels = []
     width = 0.8 / len(procs)
     for i, (regime, pool, rs) in enumerate(groups(rows)):
         for j, proc in enumerate(procs):

@@ -24,7 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
 
-import psutil
+import psutil  # noqa: E402  (after the path, as the other imports)
 
 
 def generator_of(trainer):

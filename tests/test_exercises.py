@@ -92,6 +92,7 @@ def test_every_mutant_fails_a_grader(name, label, tmp_path):
     copy_code(ROOT, str(tmp_path / "copy"))
     replace(str(tmp_path / "copy" / file), old, new)
     results = check(CHEAP.get(name, EXERCISES[name]["graders"]), str(tmp_path / "copy"))
+    print(f"{name}: {label}: caught by", [g for g, ok in results.items() if not ok])
     assert not all(results.values()), f"{name}: {label} passes every grader"
 
 

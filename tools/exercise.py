@@ -1,18 +1,22 @@
 """
-Exercises that grade themselves (docs/course.md says what each asks, with a hint).
+Exercises that grade themselves (EXERCISES below is the one place their task and hint are
+written; docs/course.md says how to use them).
 
-    .venv/bin/python tools/exercise.py list                  # the exercises
-    .venv/bin/python tools/exercise.py make recompute ~/ex   # a copy of the project with that exercise's code removed
+    .venv/bin/python tools/exercise.py list                  # the exercises: what to write, task, hint
+    .venv/bin/python tools/exercise.py make recompute ~/ex   # a student's copy, that exercise's code removed
     .venv/bin/python tools/exercise.py check recompute ~/ex  # its graders against your copy: pass/fail per test
     .venv/bin/python tools/exercise.py check recompute       # ... against this project (they pass)
 
-`make` copies the project (not .venv, out/ or .git) into DIR and replaces the body of
-the exercise's function with `raise NotImplementedError(<the exercise, in one line>)`;
-a "silent bug" exercise instead changes one line, so that the copy runs and learns but
-is subtly wrong, to be found from the run's own records. `check` runs the exercise's
-graders, tests of this project's own suite, with this venv's Python, in DIR: each
-takes at most about a minute on 2 cores, and none depends on timing (they run the
-Generator and lesson.py, not processes that race).
+`make` copies the project (not .venv, out/ or .git, and no answer: not tests/, not this
+file) into DIR, replaces the body of the exercise's function with `raise
+NotImplementedError(<the exercise, in one line>)`, writes EXERCISE.md and links this
+project's .venv into it; a "silent bug" exercise instead changes one line, so that the
+copy runs and learns but is subtly wrong, to be found from the run's own records.
+`check` runs the exercise's graders, tests of this project's own suite, with this venv's
+Python, on DIR's code in a fresh tree that takes tests/ and tools/ from this project (not
+DIR's, nor any conftest.py or pytest configuration of DIR's); a grader passes only if
+junitxml says it ran and passed. Each takes at most about a minute on 2 cores, and none
+depends on timing (they run the Generator and lesson.py, not processes that race).
 """
 
 import argparse
@@ -189,7 +193,7 @@ def make(name, dest):
 def describe(name):
     """What `list` and the copy's EXERCISE.md say of an exercise: the one source of its task and hint."""
     ex = EXERCISES[name]
-    where = ".".join(ex["where"]) if "where" in ex else f"{ex['silent'][0]} (a silent bug)"
+    where = ": ".join(ex["where"]) if "where" in ex else f"{ex['silent'][0]} (a silent bug)"
     return f"  write: {where}\n  task: {ex['task']}\n  hint: {ex['hint']}"
 
 

@@ -209,33 +209,81 @@ def grading_tree(where, dest):
         shutil.copytree(os.path.join(ROOT, d), os.path.join(dest, d), ignore=shutil.ignore_patterns(*SKIP))
 
 
-def check(graders, where):
-    """Run `graders` (test ids) against the code in `where` with this Python; returns {test id:
-    passed}. The tests are this project's (see grading_tree), run in a copy; a grader that does
-    not pass (failed, errored, skipped, deselected, not collected) counts as failed."""
-    import tempfile
+PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-c", os.devnull]
+# Run each (tree, report, graders) of argv[1] in a child forked from one Python that has
+# imported the libraries once (seconds each on 2 busy cores); the project's modules, the
+# code under test, each child imports from its own tree.
+MANY = """
+import json, os, sys
+import numpy, torch, pytest, hypothesis
+try:
+    import transformers
+except ImportError:
+    pass
+for tree, report, graders in json.loads(sys.argv[1]):
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(tree)
+        sys.path.insert(0, tree)
+        try:
+            pytest.main(sys.argv[2:] + ["--rootdir", tree, "--confcutdir", tree, "--junitxml=" + report, *graders])
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+def outcomes(report, graders):
+    """{grader: passed} from a junitxml report: passed only if it ran and neither failed,
+    errored nor was skipped; a grader the report lacks (deselected, not collected) failed."""
     import xml.etree.ElementTree as ET
-    with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
-        tree, report = os.path.join(tmp, "tree"), os.path.join(tmp, "report.xml")
-        grading_tree(where, tree)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST"))}
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull,
-                            "--rootdir", tree, "--confcutdir", tree, f"--junitxml={report}", *graders],
-                           cwd=tree, capture_output=True, text=True, env=dict(env, PYTHONDONTWRITEBYTECODE="1"))
-        ran = {}
-        if os.path.exists(report):
-            for case in ET.parse(report).iter("testcase"):
-                parts = case.get("classname", "").split(".")
-                ran[(tuple(parts), case.get("name"))] = not any(c.tag in ("failure", "error", "skipped") for c in case)
+    ran = {}
+    if os.path.exists(report):
+        for case in ET.parse(report).iter("testcase"):
+            ran[(tuple(case.get("classname", "").split(".")), case.get("name"))] = not any(
+                c.tag in ("failure", "error", "skipped") for c in case)
     results = {}
     for g in graders:
         path, *names = g.split("::")
         cls, name = tuple(path[:-3].split("/")) + tuple(names[:-1]), names[-1]
         cases = [ok for (c, n), ok in ran.items() if c == cls and (n == name or n.startswith(name + "["))]
         results[g] = bool(cases) and all(cases)  # a parametrized test without its parameters: all of them
+    return results
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST"))}
+    return dict(e, PYTHONDONTWRITEBYTECODE="1")
+
+
+def check(graders, where):
+    """Run `graders` (test ids) against the code in `where` with this Python; returns {test id:
+    passed}. The tests are this project's (see grading_tree), run in a copy; a grader that does
+    not pass (failed, errored, skipped, deselected, not collected) counts as failed."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
+        tree, report = os.path.join(tmp, "tree"), os.path.join(tmp, "report.xml")
+        grading_tree(where, tree)
+        r = subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, "--rootdir", tree, "--confcutdir", tree,
+                            f"--junitxml={report}", *graders], cwd=tree, capture_output=True, text=True, env=env())
+        results = outcomes(report, graders)
     if not any(results.values()):
         print(r.stdout[-2000:] + r.stderr[-2000:], file=sys.stderr)
     return results
+
+
+def check_many(graders, wheres):
+    """check(graders, where) for each of `wheres`, each in its own forked pytest (POSIX only)."""
+    import json
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
+        jobs = []
+        for i, where in enumerate(wheres):
+            grading_tree(where, os.path.join(tmp, str(i)))
+            jobs.append([os.path.join(tmp, str(i)), os.path.join(tmp, f"{i}.xml"), graders])
+        subprocess.run([sys.executable, "-c", MANY, json.dumps(jobs), *PYTEST_ARGS], cwd=tmp,
+                       capture_output=True, text=True, env=env())
+        return [outcomes(report, graders) for _, report, _ in jobs]
 
 
 def main():

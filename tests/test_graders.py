@@ -38,15 +38,15 @@ def test_record_by_hand():
     token under v2: its tokens, versions, stale flags, rebuild count and provenance."""
     r = engine.Rollout(0, 0, 0, [1, 2, 3], 10, now=0.0)
     assert r.record([5], [-0.1], 0, 0, 0.0, 1.0) == 0  # the prompt's prefill: nothing rebuilt
-    assert r.record([6], [-0.2], 0, 1, 1.0, 2.0) == 0
+    assert r.record([6, 9], [-0.2, -0.25], 0, 1, 1.0, 2.0) == 0  # two tokens in one step
     assert r.record([7], [-0.3], 1, 2, 2.0, 3.0) == 0  # v1 reads the KV v0 wrote: stale
     r.kv_version = None  # what Recompute.switch does
-    assert r.record([8], [-0.4], 2, 5, 5.0, 6.0) == 6  # prompt 3 + partial answer 3 prefilled again
+    assert r.record([8], [-0.4], 2, 5, 5.0, 6.0) == 7  # prompt 3 + partial answer 4 prefilled again
     assert (r.tokens, r.logprobs, r.versions, r.stale) == (
-        [5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], [0, 0, 1, 2], [False, False, True, False])
-    assert r.recomputed == 6 and r.kv_version == 2
-    assert r.prefills == [[0.0, 1.0, 0, 3, "prompt"], [5.0, 6.0, 2, 6, "recompute"]]
-    assert r.segments == [[0.0, 2.0, 0, 2, False], [2.0, 3.0, 1, 1, True], [5.0, 6.0, 2, 1, False]]
+        [5, 6, 9, 7, 8], [-0.1, -0.2, -0.25, -0.3, -0.4], [0, 0, 0, 1, 2], [False, False, False, True, False])
+    assert r.recomputed == 7 and r.kv_version == 2
+    assert r.prefills == [[0.0, 1.0, 0, 3, "prompt"], [5.0, 6.0, 2, 7, "recompute"]]
+    assert r.segments == [[0.0, 2.0, 0, 3, False], [2.0, 3.0, 1, 1, True], [5.0, 6.0, 2, 1, False]]
 
 
 class FakeGenerator:

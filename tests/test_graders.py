@@ -146,3 +146,16 @@ def test_pace_reject_by_hand():
     assert [g[0]["group_id"] for g in pace.reject_stalest(p, 1, 4, 0.5, 1)] == [1, 2] and sorted(p) == [0]
     p = pool()
     assert pace.reject_stalest(p, 1, 4, 0.5, 3) == [] and sorted(p) == [0, 1, 2]
+
+
+def test_icepop_reports_a_masked_token_that_ppo_does_not_clip():
+    """Two tokens at pi = pi_old (PPO's clip cannot bind), A = +1: k = pi_old/mu = 10 is
+    outside [0.5, 5], masked (loss 0, gradient 0, reported); k = 2 inside: loss -2, gradient -2."""
+    logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    mu = logp.detach() - torch.tensor([10.0, 2.0], dtype=torch.float64).log()
+    cfg = dict(clip_eps=0.2, icepop_low=0.5, icepop_high=5.0)
+    per_token, clipped = grpo.loss_icepop(cfg, logp, logp.detach(), mu, torch.tensor([1.0, 1.0], dtype=torch.float64),
+                                          torch.tensor([0, 0]))
+    per_token.sum().backward()
+    assert per_token.tolist() == pytest.approx([0.0, -2.0]) and logp.grad.tolist() == pytest.approx([0.0, -2.0])
+    assert clipped.tolist() == [True, False]

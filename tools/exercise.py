@@ -51,6 +51,7 @@ EXERCISES = {
              "and set to 0 outside; return the per-token loss and which tokens were clipped or masked",
         hint="ppo_clip gives PPO's surrogate against pi_old and where it binds; loss_ppo is one line away",
         graders=["tests/test_losses.py::test_loss_by_hand[icepop]",
+                 "tests/test_graders.py::test_icepop_reports_a_masked_token_that_ppo_does_not_clip",
                  "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[icepop-token-False-nonzero]"]),
     "record": dict(
         where=("engine.py", "Rollout.record"),

@@ -1,18 +1,22 @@
 """
-Exercises that grade themselves (docs/course.md says what each asks, with a hint).
+Exercises that grade themselves (EXERCISES below is the one place their task and hint are
+written; docs/course.md says how to use them).
 
-    .venv/bin/python tools/exercise.py list                  # the exercises
-    .venv/bin/python tools/exercise.py make recompute ~/ex   # a copy of the project with that exercise's code removed
+    .venv/bin/python tools/exercise.py list                  # the exercises: what to write, task, hint
+    .venv/bin/python tools/exercise.py make recompute ~/ex   # a student's copy, that exercise's code removed
     .venv/bin/python tools/exercise.py check recompute ~/ex  # its graders against your copy: pass/fail per test
     .venv/bin/python tools/exercise.py check recompute       # ... against this project (they pass)
 
-`make` copies the project (not .venv, out/ or .git) into DIR and replaces the body of
-the exercise's function with `raise NotImplementedError(<the exercise, in one line>)`;
-a "silent bug" exercise instead changes one line, so that the copy runs and learns but
-is subtly wrong, to be found from the run's own records. `check` runs the exercise's
-graders, tests of this project's own suite, with this venv's Python, in DIR: each
-takes at most about a minute on 2 cores, and none depends on timing (they run the
-Generator and lesson.py, not processes that race).
+`make` copies the project (not .venv, out/ or .git, and no answer: not tests/, not this
+file) into DIR, replaces the body of the exercise's function with `raise
+NotImplementedError(<the exercise, in one line>)`, writes EXERCISE.md and links this
+project's .venv into it; a "silent bug" exercise instead changes one line, so that the
+copy runs and learns but is subtly wrong, to be found from the run's own records.
+`check` runs the exercise's graders, tests of this project's own suite, with this venv's
+Python, on DIR's code in a fresh tree that takes tests/ and tools/ from this project (not
+DIR's, nor any conftest.py or pytest configuration of DIR's); a grader passes only if
+junitxml says it ran and passed. Each takes at most about a minute on 2 cores, and none
+depends on timing (they run the Generator and lesson.py, not processes that race).
 """
 
 import argparse
@@ -31,6 +35,7 @@ EXERCISES = {
         task="GRPO's advantage: each answer's reward minus its group's mean, over its group's std (+1e-4)",
         hint="rewards arrive group after group: view them as (groups, group_size), use torch's std (unbiased)",
         graders=["tests/test_train.py::test_advantages_by_hand",
+                 "tests/test_graders.py::test_advantages_of_a_group_of_two_and_of_equal_rewards",
                  "tests/test_lesson.py::test_the_step_is_train_pys"]),
     "loss": dict(
         where=("grpo.py", "loss_tis"),
@@ -46,20 +51,23 @@ EXERCISES = {
              "and set to 0 outside; return the per-token loss and which tokens were clipped or masked",
         hint="ppo_clip gives PPO's surrogate against pi_old and where it binds; loss_ppo is one line away",
         graders=["tests/test_losses.py::test_loss_by_hand[icepop]",
+                 "tests/test_graders.py::test_icepop_reports_a_masked_token_that_ppo_does_not_clip",
                  "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[icepop-token-False-nonzero]"]),
     "record": dict(
         where=("engine.py", "Rollout.record"),
         task="record a step's tokens: their version, logprobs and stale flag (sampled by `version` reading KV older "
              "weights wrote); note a prefill (kv_version, recomputed tokens); return the tokens rebuilt",
         hint="kv_version is None exactly when this step was a (re)fill: then `version` wrote all of the KV",
-        graders=["tests/test_regimes.py::test_stale_reads_old_kv",
+        graders=["tests/test_graders.py::test_record_by_hand",
+                 "tests/test_regimes.py::test_stale_reads_old_kv",
                  "tests/test_regimes.py::test_recompute_rebuilds_kv"]),
     "recompute": dict(
         where=("regimes.py", "Recompute.switch"),
         task="recompute: take the answers out of vLLM, load the new weights, submit each again so one prefill "
              "under v+1 rebuilds its KV (the partial answer keeps its tokens, logprobs and versions)",
         hint="Discard.switch is close; what must Rollout.record see to count the rebuild (kv_version)?",
-        graders=["tests/test_regimes.py::test_recompute_rebuilds_kv",
+        graders=["tests/test_graders.py::test_recompute_switch_by_hand",
+                 "tests/test_regimes.py::test_recompute_rebuilds_kv",
                  "tests/test_native.py::test_our_regime_is_vllms_own_mode[recompute-recompute]"]),
     "max_lag": dict(
         where=("engine.py", "Generator.may_admit"),
@@ -67,7 +75,9 @@ EXERCISES = {
              "(versions loaded + max_lag + 1) x prompts_per_step groups, + those the pool rejected; only while "
              "admitting, while the outbox has room, while the KV cache holds one more group",
         hint="the pool trains groups in admission order; count versions from start_version (a resumed run)",
-        graders=["tests/test_lesson.py::test_max_lag_bounds_the_lag",
+        graders=["tests/test_graders.py::test_max_lag_admission_bound_by_hand",
+                 "tests/test_graders.py::test_max_lag_outbox_and_kv_cache_by_hand",
+                 "tests/test_lesson.py::test_max_lag_bounds_the_lag",
                  "tests/test_generator.py::test_engine_settings_and_no_preemption"]),
     "pace": dict(
         where=("pace.py", "reject_stalest"),
@@ -78,7 +88,9 @@ EXERCISES = {
             "test_long_answer_with_one_old_token_is_fresher_than_short_old_answer",
             "test_rejects_highest_effective_staleness_first", "test_lam_zero_ranks_by_waiting_only",
             "test_budget_is_excess_occupancy", "test_never_rejects_below_what_the_step_needs",
-            "test_pace_pool_replaces_a_rejected_group_in_order")]),
+            "test_pace_pool_replaces_a_rejected_group_in_order")]
+                + ["tests/test_graders.py::test_pace_breaks_ties_by_completion",
+                   "tests/test_graders.py::test_pace_reject_by_hand"]),
     "silent_behaviour": dict(
         silent=("grpo.py", 'behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)',
                 "behaviour = logp.detach()"),
@@ -93,10 +105,21 @@ EXERCISES = {
         task="this copy runs, learns, and is wrong: its stale share is a little low; find where from answers.jsonl "
              "(a stale run's segments around a switch), then the line",
         hint="which weights wrote the KV that the first token after a switch reads?",
-        graders=["tests/test_regimes.py::test_stale_reads_old_kv",
+        graders=["tests/test_graders.py::test_record_by_hand",
+                 "tests/test_regimes.py::test_stale_reads_old_kv",
                  "tests/test_lesson.py::test_a_run_is_a_pure_function_of_its_flags[stale]"]),
 }
 SKIP = (".git", ".venv", "out", "__pycache__", ".pytest_cache", ".hypothesis", "smol")
+# What `make` leaves out of the student's copy besides SKIP: the graders and every test
+# (tests/test_train.py holds a reference loss; tests/exercise_mutants.py wrong answers and
+# the right lines they replace) and this file (the silent bugs' right lines). `check` takes
+# them from this project, never from the copy.
+KEPT_BACK = ("tests", os.path.join("tools", "exercise.py"))
+# What `check` takes from this project rather than from the student's copy: the tests,
+# the tools they import, and anything that could change how pytest runs them.
+GRADING = ("tests", "tools")
+PYTEST_FILES = ("conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "sitecustomize.py",
+                "usercustomize.py")
 
 
 def find(tree, qualname):
@@ -107,47 +130,161 @@ def find(tree, qualname):
     return node
 
 
-def remove(path, qualname, task):
-    """Replace the body of `qualname` in `path` (its docstring kept) by a NotImplementedError."""
+def body_lines(path, qualname):
+    """The lines of `qualname`'s body in `path`, its docstring left out: the answer."""
     lines = open(path).read().split("\n")
     fn = find(ast.parse("\n".join(lines)), qualname)
     body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
-    indent = " " * body[0].col_offset
-    stub = [f"{indent}raise NotImplementedError({('exercise: ' + task)!r})"]
-    lines[body[0].lineno - 1:body[-1].end_lineno] = stub
+    return body[0].lineno - 1, body[-1].end_lineno, " " * body[0].col_offset
+
+
+def remove(path, qualname, task):
+    """Replace the body of `qualname` in `path` (its docstring kept) by a NotImplementedError."""
+    lines = open(path).read().split("\n")
+    start, end, indent = body_lines(path, qualname)
+    lines[start:end] = [f"{indent}raise NotImplementedError({('exercise: ' + task)!r})"]
     open(path, "w").write("\n".join(lines))
 
 
+def answer(name):
+    """The lines of exercise `name`'s answer in this project (stripped): what `make` takes out."""
+    ex = EXERCISES[name]
+    if "silent" in ex:
+        return [ex["silent"][1].strip()]
+    start, end, _ = body_lines(os.path.join(ROOT, ex["where"][0]), ex["where"][1])
+    return [line.strip() for line in open(os.path.join(ROOT, ex["where"][0])).read().split("\n")[start:end]
+            if line.strip()]
+
+
+def replace(path, old, new):
+    """Replace the one occurrence of `old` in the file `path` by `new`."""
+    text = open(path).read()
+    assert text.count(old) == 1, f"{path}: {old!r} is not there once"
+    open(path, "w").write(text.replace(old, new))
+
+
+def copy_code(src, dest, leave_out=KEPT_BACK):
+    """Copy the project at `src` into `dest`: not SKIP, not `leave_out` (paths relative to src)."""
+    def ignore(d, names):
+        rel = os.path.relpath(d, src)
+        return [n for n in names if n in SKIP or os.path.normpath(os.path.join(rel, n)) in leave_out]
+    shutil.copytree(src, dest, ignore=ignore, dirs_exist_ok=True)
+
+
 def make(name, dest):
-    """A copy of the project in `dest` with exercise `name` in it."""
+    """A student's copy of the project in `dest` with exercise `name` in it, and no answer:
+    not the exercise's code, not the tests (graders, references), not this file."""
     ex = EXERCISES[name]
     if os.path.exists(dest) and os.listdir(dest):
         sys.exit(f"exercise.py: {dest} exists and is not empty; give a new directory")
-    shutil.copytree(ROOT, dest, ignore=lambda d, names: [n for n in names if n in SKIP], dirs_exist_ok=True)
+    copy_code(ROOT, dest)
     if "where" in ex:
         remove(os.path.join(dest, ex["where"][0]), ex["where"][1], ex["task"])
     else:
-        file, old, new = ex["silent"]
-        path = os.path.join(dest, file)
-        text = open(path).read()
-        assert text.count(old) == 1, f"{file}: the line of {name} is not there once"
-        open(path, "w").write(text.replace(old, new))
-    print(f"{dest}: exercise {name}: {ex['task']}\n  hint: {ex['hint']}\n  check: "
+        replace(os.path.join(dest, ex["silent"][0]), ex["silent"][1], ex["silent"][2])
+    if os.path.exists(os.path.join(ROOT, ".venv")):  # the project's venv, so that .venv/bin/python runs in the copy
+        os.symlink(os.path.realpath(os.path.join(ROOT, ".venv")), os.path.join(dest, ".venv"))
+    text = (f"# Exercise {name}\n\n{describe(name)}\n\nThe graders are not in this copy: "
+            f"from the project, `.venv/bin/python tools/exercise.py check {name} {dest}`.\n")
+    open(os.path.join(dest, "EXERCISE.md"), "w").write(text)
+    print(f"{dest}: exercise {name}\n{describe(name)}\n  check (from the project): "
           f"{sys.executable} {os.path.join(ROOT, 'tools', 'exercise.py')} check {name} {dest}")
 
 
-def check(graders, where):
-    """Run `graders` (test ids) in `where` with this Python; returns {test id: passed}."""
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:logging",
-                        *graders], cwd=where, capture_output=True, text=True)
+def describe(name):
+    """What `list` and the copy's EXERCISE.md say of an exercise: the one source of its task and hint."""
+    ex = EXERCISES[name]
+    where = ": ".join(ex["where"]) if "where" in ex else f"{ex['silent'][0]} (a silent bug)"
+    return f"  write: {where}\n  task: {ex['task']}\n  hint: {ex['hint']}"
+
+
+def grading_tree(where, dest):
+    """`dest`: the code of the copy `where` with this project's tests and tools (and no
+    pytest configuration or conftest.py of the copy's), so that nothing edited in the copy
+    but its code changes a grade."""
+    def ignore(d, names):
+        top = os.path.samefile(d, where)
+        return [n for n in names if n in SKIP or n in PYTEST_FILES or (top and n in GRADING)]
+    shutil.copytree(where, dest, ignore=ignore)
+    for d in GRADING:
+        shutil.copytree(os.path.join(ROOT, d), os.path.join(dest, d), ignore=shutil.ignore_patterns(*SKIP))
+
+
+PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-c", os.devnull]
+# Run each (tree, report, graders) of argv[1] in a child forked from one Python that has
+# imported the libraries once (seconds each on 2 busy cores); the project's modules, the
+# code under test, each child imports from its own tree.
+MANY = """
+import json, os, sys
+import numpy, torch, pytest, hypothesis
+try:
+    import transformers
+except ImportError:
+    pass
+for tree, report, graders in json.loads(sys.argv[1]):
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(tree)
+        sys.path.insert(0, tree)
+        try:
+            pytest.main(sys.argv[2:] + ["--rootdir", tree, "--confcutdir", tree, "--junitxml=" + report, *graders])
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+def outcomes(report, graders):
+    """{grader: passed} from a junitxml report: passed only if it ran and neither failed,
+    errored nor was skipped; a grader the report lacks (deselected, not collected) failed."""
+    import xml.etree.ElementTree as ET
+    ran = {}
+    if os.path.exists(report):
+        for case in ET.parse(report).iter("testcase"):
+            ran[(tuple(case.get("classname", "").split(".")), case.get("name"))] = not any(
+                c.tag in ("failure", "error", "skipped") for c in case)
     results = {}
-    for line in r.stdout.splitlines():
-        if m := re.match(r"(PASSED|FAILED|ERROR) (.+?)(?: - .*)?$", line):
-            results[m[2]] = m[1] == "PASSED"
-    if not results:  # nothing ran: collection failed (a syntax error in the copy, say)
-        results = {g: False for g in graders}
+    for g in graders:
+        path, *names = g.split("::")
+        cls, name = tuple(path[:-3].split("/")) + tuple(names[:-1]), names[-1]
+        cases = [ok for (c, n), ok in ran.items() if c == cls and (n == name or n.startswith(name + "["))]
+        results[g] = bool(cases) and all(cases)  # a parametrized test without its parameters: all of them
+    return results
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST"))}
+    return dict(e, PYTHONDONTWRITEBYTECODE="1")
+
+
+def check(graders, where):
+    """Run `graders` (test ids) against the code in `where` with this Python; returns {test id:
+    passed}. The tests are this project's (see grading_tree), run in a copy; a grader that does
+    not pass (failed, errored, skipped, deselected, not collected) counts as failed."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
+        tree, report = os.path.join(tmp, "tree"), os.path.join(tmp, "report.xml")
+        grading_tree(where, tree)
+        r = subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, "--rootdir", tree, "--confcutdir", tree,
+                            f"--junitxml={report}", *graders], cwd=tree, capture_output=True, text=True, env=env())
+        results = outcomes(report, graders)
+    if not any(results.values()):
         print(r.stdout[-2000:] + r.stderr[-2000:], file=sys.stderr)
     return results
+
+
+def check_many(graders, wheres):
+    """check(graders, where) for each of `wheres`, each in its own forked pytest (POSIX only)."""
+    import json
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
+        jobs = []
+        for i, where in enumerate(wheres):
+            grading_tree(where, os.path.join(tmp, str(i)))
+            jobs.append([os.path.join(tmp, str(i)), os.path.join(tmp, f"{i}.xml"), graders])
+        subprocess.run([sys.executable, "-c", MANY, json.dumps(jobs), *PYTEST_ARGS], cwd=tmp,
+                       capture_output=True, text=True, env=env())
+        return [outcomes(report, graders) for _, report, _ in jobs]
 
 
 def main():
@@ -163,9 +300,8 @@ def main():
     c.add_argument("dir", nargs="?", default=ROOT)
     args = p.parse_args()
     if args.cmd == "list":
-        for name, ex in EXERCISES.items():
-            where = ".".join(ex["where"]) if "where" in ex else f"{ex['silent'][0]} (a silent bug)"
-            print(f"{name:17s} {where:28s} {ex['task']}")
+        for name in EXERCISES:
+            print(f"{name}\n{describe(name)}")
     elif args.cmd == "make":
         make(args.name, os.path.abspath(os.path.expanduser(args.dir)))
     else:

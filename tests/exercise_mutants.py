@@ -1,0 +1,107 @@
+"""
+Wrong answers a student would plausibly write to each exercise (tools/exercise.py), as
+(label, file, old, new): the project's answer with `old` (there once) replaced by `new`.
+tests/test_exercises.py checks that each, on its own, fails at least one of CHEAP[exercise]:
+graders of the exercise that take seconds, not a run. Not in a student's copy (`make`
+leaves tests/ out): the `old` lines are the answers.
+"""
+
+MUTANTS = {
+    "advantages": [
+        ("biased std", "grpo.py", "r.std(1, keepdim=True)", "r.std(1, keepdim=True, unbiased=False)"),
+        ("no +1e-4", "grpo.py", "/ (r.std(1, keepdim=True) + 1e-4)", "/ r.std(1, keepdim=True)"),
+        ("+1e-4 after the division", "grpo.py", "/ (r.std(1, keepdim=True) + 1e-4)", "/ r.std(1, keepdim=True) + 1e-4"),
+        ("the batch's mean", "grpo.py", "(r - r.mean(1, keepdim=True))", "(r - r.mean())"),
+        ("the batch's std", "grpo.py", "(r.std(1, keepdim=True) + 1e-4)", "(r.std() + 1e-4)"),
+        ("groups of 4", "grpo.py", "r = rewards.view(-1, group_size)", "r = rewards.view(-1, 4)"),
+        ("transposed groups", "grpo.py", "r = rewards.view(-1, group_size)", "r = rewards.view(group_size, -1)"),
+        ("sign flip", "grpo.py", "(r - r.mean(1, keepdim=True))", "(r.mean(1, keepdim=True) - r)"),
+    ],
+    "loss": [
+        ("weight not detached", "grpo.py", "ratio = torch.exp(logp.detach() - mu)\n    return -ratio.clamp", "ratio = torch.exp(logp - mu)\n    return -ratio.clamp"),
+        ("mu/pi", "grpo.py", "ratio = torch.exp(logp.detach() - mu)\n    return -ratio.clamp", "ratio = torch.exp(mu - logp.detach())\n    return -ratio.clamp"),
+        ("pi_old for mu", "grpo.py", "ratio = torch.exp(logp.detach() - mu)\n    return -ratio.clamp", "ratio = torch.exp(logp.detach() - old)\n    return -ratio.clamp"),
+        ("no cap", "grpo.py", "-ratio.clamp(max=cfg[\"is_cap\"]) * adv * logp", "-ratio * adv * logp"),
+        ("capped from below", "grpo.py", "-ratio.clamp(max=cfg[\"is_cap\"]) * adv * logp",
+         "-ratio.clamp(min=cfg[\"is_cap\"]) * adv * logp"),
+        ("sign flip", "grpo.py", "-ratio.clamp(max=cfg[\"is_cap\"]) * adv * logp", "ratio.clamp(max=cfg[\"is_cap\"]) * adv * logp"),
+        ("no log pi", "grpo.py", "-ratio.clamp(max=cfg[\"is_cap\"]) * adv * logp",
+         "-ratio.clamp(max=cfg[\"is_cap\"]) * adv * logp.exp()"),
+        ("capped tokens not reported", "grpo.py", "ratio > cfg[\"is_cap\"]", "ratio < 0"),
+    ],
+    "correction": [
+        ("ppo without its clip", "grpo.py",
+         "surrogate, clipped = ppo_clip(logp, old, adv, cfg[\"clip_eps\"])\n    k = (old - mu).exp()",
+         "surrogate, clipped = -(logp - old).exp() * adv, adv != adv\n    k = (old - mu).exp()"),
+        ("k = mu/pi_old", "grpo.py", "k = (old - mu).exp()", "k = (mu - old).exp()"),
+        ("k = pi/mu", "grpo.py", "k = (old - mu).exp()", "k = (logp.detach() - mu).exp()"),
+        ("k not applied", "grpo.py", "return k * keep * surrogate", "return keep * surrogate"),
+        ("clamped, not masked", "grpo.py", "return k * keep * surrogate",
+         "return k.clamp(cfg[\"icepop_low\"], cfg[\"icepop_high\"]) * surrogate"),
+        ("masked tokens not reported", "grpo.py", "return k * keep * surrogate, clipped | ~keep",
+         "return k * keep * surrogate, clipped"),
+        ("band inverted", "grpo.py", "keep = (k >= cfg[\"icepop_low\"]) & (k <= cfg[\"icepop_high\"])",
+         "keep = (k <= cfg[\"icepop_low\"]) | (k >= cfg[\"icepop_high\"])"),
+    ],
+    "record": [
+        ("no prefill note", "engine.py", "            self.note_prefill(t0, t1, version)\n", ""),
+        ("no token note", "engine.py", "        self.note_tokens(n, version, stale, step, t0, t1)\n", ""),
+        ("stale off by one", "engine.py", "stale, n = self.kv_version < version,", "stale, n = self.kv_version <= version,"),
+        ("stale against the last token's version", "engine.py", "stale, n = self.kv_version < version,",
+         "stale, n = self.kv_version < (self.versions[-1] if self.versions else version),"),
+        ("rebuild without the prompt", "engine.py", "rebuilt = len(self.prompt_ids) + len(self.tokens)",
+         "rebuilt = len(self.tokens)"),
+        ("rebuild not counted", "engine.py", "                self.recomputed += rebuilt\n", ""),
+        ("the first prefill counted as a rebuild", "engine.py", "            if self.tokens:  # prompt", "            if True:  # prompt"),
+        ("kv_version never set", "engine.py", "            self.kv_version = version\n", ""),
+        ("versions not kept", "engine.py", "self.versions += [version] * n", "self.versions += [version]"),
+    ],
+    "recompute": [
+        ("kv_version kept", "regimes.py", "            r.kv_version = None  # its KV", "            pass  # its KV"),
+        ("submitted before the load", "regimes.py",
+         "        gen.load_weights(version, weights)\n        for r in aborted:\n            r.kv_version = None  # its KV"
+         " is about to be written by v+1: Rollout.record counts it then\n            gen.submit(r)\n",
+         "        for r in aborted:\n            r.kv_version = None\n            gen.submit(r)\n"
+         "        gen.load_weights(version, weights)\n"),
+        ("the partial answer thrown away", "regimes.py", "            r.kv_version = None  # its KV",
+         "            r.restart(gen.clock.now())  # its KV"),
+        ("not submitted again", "regimes.py", "            gen.submit(r)\n        return True\n\n\nREGIMES",
+         "        return True\n\n\nREGIMES"),
+    ],
+    "max_lag": [
+        ("max_lag, not max_lag + 1", "engine.py", "self.cfg[\"max_lag\"] + 1", "self.cfg[\"max_lag\"]"),
+        ("rejected groups not counted", "engine.py", "* self.cfg[\"prompts_per_step\"] + self.rejected",
+         "* self.cfg[\"prompts_per_step\"]"),
+        ("versions counted from 0 (resume)", "engine.py", "versions = self.version - self.start_version +",
+         "versions = self.version +"),
+        ("groups counted from 0 (resume)", "engine.py", "budget = self.start_group + versions", "budget = versions"),
+        ("<= the budget", "engine.py", "self.next_group < budget", "self.next_group <= budget"),
+        ("outbox full at queue_size + 1", "engine.py", "len(self.outbox) < self.cfg.get", "len(self.outbox) <= self.cfg.get"),
+        ("no room for the group itself", "engine.py", "len(self.inflight) + self.cfg[\"group_size\"] <= self.kv_answers",
+         "len(self.inflight) < self.kv_answers"),
+        ("admits when not admitting", "engine.py", "return (self.admitting and self.next_group", "return (self.next_group"),
+    ],
+    "pace": [
+        ("ties the other way", "pace.py", "(-eff[g], _completed(pool[g]))", "(-eff[g], -_completed(pool[g]))"),
+        ("ties by group id", "pace.py", "(-eff[g], _completed(pool[g]))", "(-eff[g], g)"),
+        ("freshest first", "pace.py", "(-eff[g], _completed(pool[g]))", "(eff[g], _completed(pool[g]))"),
+        ("fewer than n left", "pace.py", "min(max(0, len(pool) - target), max(0, len(pool) - n))",
+         "max(0, len(pool) - target)"),
+        ("budget off by one", "pace.py", "min(max(0, len(pool) - target),", "min(max(0, len(pool) - target - 1),"),
+        ("lam ignored", "pace.py", "eff = {g: effective_staleness(pool[g], version, lam)",
+         "eff = {g: effective_staleness(pool[g], version, 1.0)"),
+        ("left in the pool", "pace.py", "return [pool.pop(g) for g in worst]", "return [pool[g] for g in worst]"),
+    ],
+}
+
+CHEAP = {
+    "advantages": ["tests/test_train.py::test_advantages_by_hand",
+                   "tests/test_graders.py::test_advantages_of_a_group_of_two_and_of_equal_rewards"],
+    "loss": ["tests/test_losses.py::test_loss_by_hand[tis]"],
+    "correction": ["tests/test_losses.py::test_loss_by_hand[icepop]",
+                   "tests/test_graders.py::test_icepop_reports_a_masked_token_that_ppo_does_not_clip"],
+    "record": ["tests/test_graders.py::test_record_by_hand"],
+    "recompute": ["tests/test_graders.py::test_recompute_switch_by_hand"],
+    "max_lag": ["tests/test_graders.py::test_max_lag_admission_bound_by_hand",
+                "tests/test_graders.py::test_max_lag_outbox_and_kv_cache_by_hand"],
+}  # pace: all its graders (tests/test_pace.py's take seconds)

@@ -1,0 +1,161 @@
+"""
+Graders of the exercises (tools/exercise.py) worked by hand, each in well under a second:
+the cases the wrong answers in tests/exercise_mutants.py get wrong (a group of 2, a group
+whose rewards are all equal, provenance notes, the admission bound's every term, PACE's
+ties), as numbers written here, not computed by the code under test.
+
+    .venv/bin/python -m pytest -q tests/test_graders.py
+"""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import engine
+import grpo
+import pace
+import regimes
+
+pytestmark = pytest.mark.fast
+
+
+def test_advantages_of_a_group_of_two_and_of_equal_rewards():
+    """A group of 2 (1, 0): mean 0.5, unbiased std sqrt(0.5), so +-0.5 / (0.70711 + 1e-4);
+    a group of 3 equal rewards (0.3 each): std 0, advantages 0, not 0/0."""
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)  # 0.70700...
+    adv = grpo.advantages(torch.tensor([1.0, 0.0, 0.25, 0.25]), 2)
+    assert adv.shape == (4,) and adv.tolist() == pytest.approx([a, -a, 0.0, 0.0], abs=1e-6)
+    adv = grpo.advantages(torch.tensor([0.3, 0.3, 0.3, 1.0, 0.0, 0.5]), 3)  # mean 0.5, std 0.5
+    b = 0.5 / (0.5 + 1e-4)
+    assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, b, -b, 0.0], abs=1e-6)
+
+
+def test_record_by_hand():
+    """One answer (a 3-token prompt) through a prefill under v0, a token under v0, a stale
+    token under v1 (a switch that kept the KV), then a recompute (kv_version reset) and a
+    token under v2: its tokens, versions, stale flags, rebuild count and provenance."""
+    r = engine.Rollout(0, 0, 0, [1, 2, 3], 10, now=0.0)
+    assert r.record([5], [-0.1], 0, 0, 0.0, 1.0) == 0  # the prompt's prefill: nothing rebuilt
+    assert r.record([6, 9], [-0.2, -0.25], 0, 1, 1.0, 2.0) == 0  # two tokens in one step
+    assert r.record([7], [-0.3], 1, 2, 2.0, 3.0) == 0  # v1 reads the KV v0 wrote: stale
+    r.kv_version = None  # what Recompute.switch does
+    assert r.record([8], [-0.4], 2, 5, 5.0, 6.0) == 7  # prompt 3 + partial answer 4 prefilled again
+    assert (r.tokens, r.logprobs, r.versions, r.stale) == (
+        [5, 6, 9, 7, 8], [-0.1, -0.2, -0.25, -0.3, -0.4], [0, 0, 0, 1, 2], [False, False, False, True, False])
+    assert r.recomputed == 7 and r.kv_version == 2
+    assert r.prefills == [[0.0, 1.0, 0, 3, "prompt"], [5.0, 6.0, 2, 7, "recompute"]]
+    assert r.segments == [[0.0, 2.0, 0, 3, False], [2.0, 3.0, 1, 1, True], [5.0, 6.0, 2, 1, False]]
+
+
+class FakeGenerator:
+    """What Recompute.switch may call, each call written down."""
+
+    def __init__(self, answers):
+        self.answers, self.calls, self.stats = answers, [], dict(discarded_tokens=0)
+        self.clock = SimpleNamespace(now=lambda: 9.0)
+
+    def abort_all(self):
+        self.calls.append("abort")
+        return list(self.answers)
+
+    def load_weights(self, version, weights):
+        self.calls.append(("load", version, weights))
+
+    def submit(self, r):
+        self.calls.append(("submit", r.sample_id, r.kv_version, list(r.tokens), list(r.versions)))
+
+
+def test_recompute_switch_by_hand():
+    """Abort, load v+1, then submit each answer again with its tokens, logprobs and versions
+    kept and kv_version None, so that record counts the prefill as a rebuild."""
+    answers = []
+    for i in range(2):
+        r = engine.Rollout(i, 0, 0, [1, 2], 10, now=0.0)
+        r.record([5 + i, 6], [-0.5, -0.6], 0, 0, 0.0, 1.0)
+        answers.append(r)
+    gen = FakeGenerator(answers)
+    assert regimes.Recompute().switch(gen, 1, "w1") is True
+    assert gen.calls == ["abort", ("load", 1, "w1"), ("submit", 0, None, [5, 6], [0, 0]),
+                         ("submit", 1, None, [6, 6], [0, 0])]
+    assert [r.logprobs for r in answers] == [[-0.5, -0.6]] * 2 and gen.stats["discarded_tokens"] == 0
+    assert [r.discarded for r in answers] == [[], []]
+
+
+def generator(**kw):
+    """The state Generator.may_admit reads: version 3 of a run resumed at version 1 whose
+    groups started at 10, max_lag 1, 2 groups a step, 1 group rejected by the pool."""
+    state = dict(version=3, start_version=1, start_group=10, rejected=1, admitting=True, next_group=18,
+                 outbox=[], inflight={}, kv_answers=8,
+                 cfg=dict(max_lag=1, prompts_per_step=2, group_size=4, queue_size=2))
+    state.update(kw)
+    return SimpleNamespace(**state)
+
+
+def may_admit(**kw):
+    return engine.Generator.may_admit(generator(**kw))
+
+
+def test_max_lag_admission_bound_by_hand():
+    """Budget 10 + (3 - 1 + 1 + 1) x 2 + 1 = 19 groups: group 18 may start, 19 may not;
+    each term moves it (resumed versions, start group, max_lag + 1, the rejected)."""
+    assert may_admit() and not may_admit(next_group=19)
+    assert may_admit(next_group=19, rejected=2) and not may_admit(next_group=18, rejected=0)
+    assert may_admit(next_group=16, start_group=8) and not may_admit(next_group=17, start_group=8)  # budget 17
+    assert may_admit(next_group=20, version=4) and not may_admit(next_group=21, version=4)  # budget 21
+    assert may_admit(next_group=16, start_version=2) and not may_admit(next_group=17, start_version=2)
+    lag0 = dict(cfg=dict(max_lag=0, prompts_per_step=2, group_size=4, queue_size=2))
+    assert may_admit(next_group=16, **lag0) and not may_admit(next_group=17, **lag0)
+    assert not may_admit(admitting=False)
+
+
+def test_max_lag_outbox_and_kv_cache_by_hand():
+    """Only while the outbox holds fewer than queue_size answers, and while the KV cache has
+    room for one more group of 4 next to those in flight."""
+    assert may_admit(outbox=[0]) and not may_admit(outbox=[0, 1])
+    assert may_admit(outbox=list(range(50)), cfg=dict(max_lag=1, prompts_per_step=2, group_size=4))
+    assert may_admit(inflight=dict.fromkeys(range(4))) and not may_admit(inflight=dict.fromkeys(range(5)))
+    assert not may_admit(kv_answers=3)
+
+
+def group(group_id, versions, finished):
+    """Two samples of one group, generated under `versions`, the last finishing at `finished`."""
+    return [dict(group_id=group_id, token_ids=torch.arange(len(versions), dtype=torch.int32),
+                 versions=torch.tensor(versions, dtype=torch.int32), stale=torch.zeros(len(versions), dtype=torch.bool),
+                 recomputed=0, finished=finished - 0.1 * i, submitted=0.0) for i in range(2)]
+
+
+def test_pace_breaks_ties_by_completion():
+    """Four groups of equal effective staleness, completed in the order 2, 3, 0, 1 (not
+    their ids'): target 2 rejects two, the two completed first, and leaves the others."""
+    pool = {g: group(g, [1, 1], finished) for g, finished in ((0, 3.0), (1, 4.0), (2, 1.0), (3, 2.0))}
+    rejected = pace.reject_stalest(pool, 1, 2, 0.5, 2)
+    assert [g[0]["group_id"] for g in rejected] == [2, 3] and sorted(pool) == [0, 1]
+
+
+def test_pace_reject_by_hand():
+    """Effective staleness at version 4, lam 0.5: group 0 (v3, waiting 1) 1, group 1 (v1,
+    generation 0, waiting 3) 3, group 2 (tokens of v0 and v2: waiting 2, generation
+    (2 + 0)/2 = 1) 2.5: over target 1 with n 2, one goes, group 1; with n 1, two."""
+    def pool():
+        return {0: group(0, [3, 3], 1.0), 1: group(1, [1, 1], 2.0), 2: group(2, [0, 2], 3.0)}
+    p = pool()
+    assert [g[0]["group_id"] for g in pace.reject_stalest(p, 2, 4, 0.5, 1)] == [1] and sorted(p) == [0, 2]
+    p = pool()
+    assert [g[0]["group_id"] for g in pace.reject_stalest(p, 1, 4, 0.5, 1)] == [1, 2] and sorted(p) == [0]
+    p = pool()
+    assert pace.reject_stalest(p, 1, 4, 0.5, 3) == [] and sorted(p) == [0, 1, 2]
+
+
+def test_icepop_reports_a_masked_token_that_ppo_does_not_clip():
+    """Two tokens at pi = pi_old (PPO's clip cannot bind), A = +1: k = pi_old/mu = 10 is
+    outside [0.5, 5], masked (loss 0, gradient 0, reported); k = 2 inside: loss -2, gradient -2."""
+    logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    mu = logp.detach() - torch.tensor([10.0, 2.0], dtype=torch.float64).log()
+    cfg = dict(clip_eps=0.2, icepop_low=0.5, icepop_high=5.0)
+    per_token, clipped = grpo.loss_icepop(cfg, logp, logp.detach(), mu, torch.tensor([1.0, 1.0], dtype=torch.float64),
+                                          torch.tensor([0, 0]))
+    per_token.sum().backward()
+    assert per_token.tolist() == pytest.approx([0.0, -2.0]) and logp.grad.tolist() == pytest.approx([0.0, -2.0])
+    assert clipped.tolist() == [True, False]

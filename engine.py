@@ -220,11 +220,10 @@ class Generator:
     def __init__(self, cfg, engine, problems, tokenizer, outbox, clock=None, receive=load_in_place):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
-        from data import make_prompt
+        from data import prompt_ids
         self.cfg, self.engine, self.outbox = cfg, engine, outbox
         self.clock, self.receive = clock or WallClock(), receive
-        self.prompts = [tokenizer(make_prompt(tokenizer, p["question"], cfg["dataset"]),
-                                  add_special_tokens=False)["input_ids"] for p in problems]
+        self.prompts = prompt_ids(tokenizer, problems, cfg["dataset"])
         self.answers = [p["answer"] for p in problems]  # travel with each sample, for the reward
         self.params = lambda max_tokens: SamplingParams(
             temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,

@@ -12,14 +12,8 @@ import argparse
 import os
 import sys
 
-from data import UsageError, load_problems, make_prompt
+from data import UsageError, load_problems, prompt_ids
 from preflight import check_budget, check_model, model_path
-
-
-def eval_prompts(tokenizer, problems, dataset):
-    """Token ids of the prompts, exactly as the generator builds them."""
-    return [tokenizer(make_prompt(tokenizer, p["question"], dataset), add_special_tokens=False)["input_ids"]
-            for p in problems]
 
 
 def grade(completions, problems, dataset, truncated=None):
@@ -64,7 +58,7 @@ def main():
     # to bfloat16 on a CPU too, and measure other weights than train.py's evaluations do
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     llm = LLM(model=model, seed=0, dtype=dtype, max_model_len=max_len)
-    prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
+    prompts = [dict(prompt_token_ids=ids) for ids in prompt_ids(llm.get_tokenizer(), problems, args.dataset)]
     outs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=max_new), use_tqdm=True)
     truncated = [o.outputs[0].finish_reason == "length" for o in outs]
     texts = [o.outputs[0].text for o in outs]

@@ -49,12 +49,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every weight load otherwise
 
 import config
-from data import UsageError
-from eval import eval_prompts, grade
+from data import UsageError, load_splits, prompt_ids
+from eval import grade
 from grpo import (as_tensors, batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
                   optimizer_step, run_tokens, score_batch, token_weights, train_step)
 from pace import Pool, pool_stats
-from preflight import check_budget, check_model, load_splits, model_path
+from preflight import check_budget, check_model, model_path
 from regimes import make_regime
 from runlog import RunLog, step_line, write_ledger
 
@@ -156,7 +156,7 @@ def main(argv=None, engine=None):
         load_in_place(engine, 0, model.state_dict())
     gen = Generator(cfg, engine or make_engine(cfg), train_problems, tokenizer, outbox, clock)
     pool, log = Pool(cfg), RunLog(cfg["out"], clock=clock.now)
-    eval_ids = eval_prompts(tokenizer, test, cfg["dataset"])
+    eval_ids = prompt_ids(tokenizer, test, cfg["dataset"])
     torch.manual_seed(cfg["seed"])  # vLLM samples from torch's generator: the same draws on every run
 
     def evaluate(step, version):

@@ -117,6 +117,15 @@ class Rollout:
         self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
         self.segments, self.kv_version, self.last_step = [], None, None
 
+
+def as_tensors(sample):
+    """A finished answer's numpy arrays (Rollout.to_sample) as torch tensors, sharing their memory:
+    what the trainer puts in its pool (lesson.py; generator.GeneratorHandle, off the queue)."""
+    import numpy as np
+    import torch
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+
+
 # -----------------------------------------------------------------------------
 # the engine, driven step by step
 

@@ -51,7 +51,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every weight l
 import config
 from data import UsageError, load_splits, prompt_ids
 from eval import grade
-from grpo import (as_tensors, batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
+from grpo import (batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
                   optimizer_step, run_tokens, score_batch, token_weights, train_step)
 from pace import Pool, pool_stats
 from preflight import check_budget, check_model, model_path
@@ -139,7 +139,7 @@ def main(argv=None, engine=None):
     check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"], cfg["max_model_len"])
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from engine import Generator, load_in_place, make_engine
+    from engine import Generator, as_tensors, load_in_place, make_engine
     regime = make_regime(cfg["regime"])
     cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])  # sync: one batch per version
     fresh_run_dir(cfg["out"])

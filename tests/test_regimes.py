@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import Generator, load_in_place, make_engine
-from grpo import as_tensors
+from engine import as_tensors
 from lesson import parse_config
 from regimes import make_regime
 from test_generator import hf_logprobs, hf_model, perturbed

@@ -63,7 +63,8 @@ def bench_sync(args):
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
-    from generator import GeneratorHandle, init_weight_group, spawn_with_env, weight_specs
+    from generator import GeneratorHandle, init_weight_group, spawn_with_env
+    from ranks import weight_specs
     from preflight import engine_plan
     from devices import prepare
     from train import parse_config

@@ -13,6 +13,7 @@ import os
 import sys
 
 from data import UsageError, load_problems, prompt_ids
+from engine import vllm_env
 from preflight import check_budget, check_model, model_path
 
 
@@ -48,10 +49,7 @@ def main():
     max_new = args.max_new_tokens or (256 if args.dataset == "synth" else 1024)
     max_len = args.max_model_len or (None if args.dataset == "synth" else 4096)
     check_budget(model, args.dataset, problems, max_new, max_len, name=args.model)  # as train.py: one line, not vLLM's
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # CPU: a fixed KV cache (GiB), as train.py gives the generator; without it vLLM asks for
-    # 92% of the node's memory and refuses to start when other processes hold some
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.update(vllm_env())  # as the generator's engine: on CPU, a fixed KV cache
     from vllm import LLM, SamplingParams  # ~10 s to import: after the checks
     import torch
     # the generator's dtype (engine.make_engine): vLLM's "auto" would cast a float32 checkpoint

@@ -43,10 +43,11 @@ import random
 import shutil
 import sys
 
-# vLLM's engine core in this process: one engine.step() is one forward pass, done when it returns
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for the tiny model
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every weight load otherwise
+from engine import Generator, as_tensors, load_in_place, make_engine, vllm_env
+
+# vLLM's engine core in this process (one engine.step() is one forward pass, done when it
+# returns), quiet, with a fixed KV cache: set before anything imports vLLM
+os.environ.update(vllm_env())
 
 import config
 from data import UsageError, load_splits, prompt_ids
@@ -139,7 +140,6 @@ def main(argv=None, engine=None):
     check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"], cfg["max_model_len"])
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from engine import Generator, as_tensors, load_in_place, make_engine
     regime = make_regime(cfg["regime"])
     cfg["max_lag"] = getattr(regime, "max_lag", cfg["max_lag"])  # sync: one batch per version
     fresh_run_dir(cfg["out"])

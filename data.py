@@ -215,6 +215,16 @@ def load_problems(dataset, split, n=None, data_file=None, steps=4, flag="--data-
                 for i, r in enumerate(rows[:n] if n else rows, 1)]
     return [p for p in problems if p["answer"]]
 
+
+def load_splits(cfg):
+    """Both splits, before torch or transformers load: the generator reads the train
+    split itself, but a bad file or an offline Hub should stop the run before
+    anything expensive starts. The test split is the trainer's, for evaluations."""
+    train = load_problems(cfg["dataset"], "train", data_file=cfg["data_file"], steps=cfg["synth_steps"])
+    test = load_problems(cfg["dataset"], "test", n=cfg["eval_n"], data_file=cfg["eval_data_file"],
+                         steps=cfg["synth_steps"], flag="--eval-data-file")
+    return train, test
+
 # -----------------------------------------------------------------------------
 # prompts
 
@@ -226,3 +236,11 @@ def make_prompt(tokenizer, question, dataset):
         return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True, enable_thinking=False)
     return f"Question: {question}\nAnswer:"
+
+
+def prompt_ids(tokenizer, problems, dataset):
+    """Token ids of each problem's prompt (make_prompt), no special tokens added: the one
+    builder of what the engine is given, for the generator's prompts (engine.Generator)
+    and for evaluations (lesson.py, train.py, eval.py)."""
+    return [tokenizer(make_prompt(tokenizer, p["question"], dataset), add_special_tokens=False)["input_ids"]
+            for p in problems]

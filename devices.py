@@ -15,6 +15,7 @@ import os
 import re
 
 from data import UsageError
+from engine import vllm_env
 
 
 def physical_gpu(device):
@@ -109,11 +110,11 @@ def resolve_devices(cfg, world=1, local_rank=0):
         print(f"devices: generator {', '.join(gens)}; trainer {', '.join(trains)}; weights over {cfg['sync_backend']}"
               + (f"; {', '.join(shared)} shared by the generator and the trainer, as asked (vLLM takes "
                  f"{cfg['gen_memory_utilization']} of it)" if shared else ""), flush=True)
-    common = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the generator process: see engine.make_engine
-              # vLLM logs every in-place reload (and warns that the rotary embedding has no
-              # weights to load): quiet by default, VLLM_LOGGING_LEVEL=INFO shows it all
-              "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
-    envs = [dict(common, CUDA_VISIBLE_DEVICES=physical_gpu(g) if g.startswith("cuda") else "") for g in gens]
+    # engine.vllm_env: the engine core in the generator process, vLLM quiet (it logs every
+    # in-place reload; VLLM_LOGGING_LEVEL=INFO shows it all), on CPU a fixed KV cache that
+    # leaves RAM for the trainer
+    envs = [dict(vllm_env(on_cpu=gens[0] == "cpu"), CUDA_VISIBLE_DEVICES=physical_gpu(g) if g.startswith("cuda")
+                 else "") for g in gens]
     cores = sorted(os.sched_getaffinity(0))
     cfg["gen_threads"] = 1
     if gens[0] == "cpu":
@@ -121,7 +122,6 @@ def resolve_devices(cfg, world=1, local_rank=0):
         for i, env in enumerate(envs):
             mine = half[i::n] if len(half) >= n else half  # a core each if there are enough, else shared
             env["INFLIGHT_GEN_CORES"] = ",".join(map(str, mine))  # generator_main keeps to these
-            env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for small models, leaves RAM for the trainer
             cfg["gen_threads"] = len(mine)
         if train == "cpu" and len(cores) > 1:  # the trainer ranks keep to the other half
             rest = cores[len(half):]

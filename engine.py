@@ -11,6 +11,7 @@ goes to a list (the outbox), and the time it reads comes from a clock it is give
 (WallClock in the generator process, lesson.SimClock in the lesson).
 """
 
+import os
 import time
 
 
@@ -117,16 +118,42 @@ class Rollout:
         self.tokens, self.logprobs, self.versions, self.stale = [], [], [], []
         self.segments, self.kv_version, self.last_step = [], None, None
 
+
+def as_tensors(sample):
+    """A finished answer's numpy arrays (Rollout.to_sample) as torch tensors, sharing their memory:
+    what the trainer puts in its pool (lesson.py; generator.GeneratorHandle, off the queue)."""
+    import numpy as np
+    import torch
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+
+
 # -----------------------------------------------------------------------------
 # the engine, driven step by step
+
+KV_CACHE_GIB = 1  # vLLM's KV cache on CPU: plenty for the tiny models, and leaves RAM for the trainer
+
+
+def vllm_env(on_cpu=True):
+    """The environment every vLLM engine of this project starts with, set before vLLM is
+    imported: lesson.py and eval.py put it in their own environment, devices.resolve_devices
+    in each generator process's. The engine core in the engine's own process (make_engine:
+    one step() is one forward pass); vLLM quiet (it logs every weight load); on CPU, a KV
+    cache of KV_CACHE_GIB GiB (without it vLLM asks for 92% of the node's memory and refuses
+    to start when other processes hold some). A VLLM_LOGGING_LEVEL or VLLM_CPU_KVCACHE_SPACE
+    already in this process's environment wins."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+    if on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+    return env
 
 
 def make_engine(cfg, worker_extension=None):
     """vLLM's LLMEngine, in this process, stepped by us. Three settings make one
     step() one forward pass that has finished when step() returns, so that weights
     loaded between two step() calls are the weights of every later token:
-    - VLLM_ENABLE_V1_MULTIPROCESSING=0 (set before the engine starts: lesson.py,
-      devices.resolve_devices): the engine core lives in this process. With the default
+    - VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm_env, set before the engine starts: lesson.py,
+      eval.py, devices.resolve_devices): the engine core lives in this process. With the default
       multiprocess core, the core keeps stepping on its own and step() only collects outputs.
     - async_scheduling=False: on CUDA, vLLM 0.32 turns it on by default
       (vllm/config/vllm.py); the engine then keeps a queue of 2 batches and launches
@@ -229,11 +256,10 @@ class Generator:
                  queue_size=float("inf")):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
-        from data import make_prompt
+        from data import prompt_ids
         self.cfg, self.engine, self.outbox = cfg, engine, outbox
         self.clock, self.receive = clock or WallClock(), receive
-        self.prompts = [tokenizer(make_prompt(tokenizer, p["question"], cfg["dataset"]),
-                                  add_special_tokens=False)["input_ids"] for p in problems]
+        self.prompts = prompt_ids(tokenizer, problems, cfg["dataset"])
         self.answers = [p["answer"] for p in problems]  # travel with each sample, for the reward
         self.params = lambda max_tokens: SamplingParams(
             temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,

@@ -13,14 +13,9 @@ import os
 
 import config
 from config import BASE, DEFAULTS, model_path
-from data import DATASETS, load_problems, make_prompt
+from data import DATASETS, load_problems, prompt_ids
+from engine import vllm_env
 from preflight import check_budget, check_model
-
-
-def eval_prompts(tokenizer, problems, dataset):
-    """Token ids of the prompts, exactly as the generator builds them."""
-    return [tokenizer(make_prompt(tokenizer, p["question"], dataset), add_special_tokens=False)["input_ids"]
-            for p in problems]
 
 
 def grade(completions, problems, dataset, truncated=None):
@@ -71,17 +66,14 @@ def main():
     max_new = args.max_new_tokens or defaults["max_new_tokens"]
     max_len = args.max_model_len or defaults["max_model_len"]
     check_budget(model, args.dataset, problems, max_new, max_len, name=args.model)  # as train.py: one line, not vLLM's
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # CPU: a fixed KV cache (GiB), as train.py gives the generator; without it vLLM asks for
-    # 92% of the node's memory and refuses to start when other processes hold some
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.update(vllm_env())  # as the generator's engine: on CPU, a fixed KV cache
     from vllm import LLM, SamplingParams  # ~10 s to import: after the checks
     import torch
     # the generator's dtype (engine.make_engine): vLLM's "auto" would cast a float32 checkpoint
     # to bfloat16 on a CPU too, and measure other weights than train.py's evaluations do
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     llm = LLM(model=model, seed=0, dtype=dtype, max_model_len=max_len)
-    prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(llm.get_tokenizer(), problems, args.dataset)]
+    prompts = [dict(prompt_token_ids=ids) for ids in prompt_ids(llm.get_tokenizer(), problems, args.dataset)]
     outs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=max_new), use_tqdm=True)
     truncated = [o.outputs[0].finish_reason == "length" for o in outs]
     texts = [o.outputs[0].text for o in outs]

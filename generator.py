@@ -22,22 +22,15 @@ import sys
 import time
 import traceback
 
-from engine import Generator, kv_capacity, lane, make_engine
-from grpo import as_tensors
+from engine import Generator, as_tensors, kv_capacity, lane, make_engine
 from preflight import PUSH_AHEAD_BYTES, PUSH_SEND_BYTES  # how far a push runs ahead: the engine's receive, the trainer's send
+from ranks import weight_specs  # what a push sends first
 
 SYNC_HOST = "127.0.0.1"  # the weight group's rendezvous: the engines run on trainer rank 0's machine
 START_TIMEOUT_S = 900  # for the engines to start (a model download, vLLM's warm-up), before the run stops
 
 # -----------------------------------------------------------------------------
 # weight sync: trainer side (rank 0) and vLLM worker side (ranks 1..N)
-
-
-def weight_specs(state_dict, dtype=None):
-    """(name, dtype, shape) of every tensor, in send order. We send the state_dict,
-    not named_parameters(): the latter leaves out tied weights (lm_head.weight on
-    Qwen3-0.6B and the tiny model), and vLLM then keeps its load-time copy."""
-    return [(k, str(dtype or v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state_dict.items()]
 
 
 def init_weight_group(host, port, rank, world_size, backend, listen_socket=None):

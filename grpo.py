@@ -63,13 +63,6 @@ def score_batch(cfg, tokenizer, batch, version=None):
                      boxed_frac=sum(boxed_answer(t, cfg["dataset"]) for t in texts) / len(batch))
 
 
-def as_tensors(sample):
-    """A finished answer's numpy arrays (engine.Rollout.to_sample) as torch tensors, sharing their memory."""
-    import numpy as np
-    import torch
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
-
-
 def micro_batches(batch, budget):
     """Split `batch` (samples) into lists of indices whose padded size, rows x longest
     prompt + answer, stays within `budget` tokens. Sorted by length first, so that

@@ -42,18 +42,19 @@ import os
 import random
 import shutil
 
-# vLLM's engine core in this process: one engine.step() is one forward pass, done when it returns
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for the tiny model
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs every weight load otherwise
+from engine import Generator, as_tensors, load_in_place, make_engine, vllm_env
+
+# vLLM's engine core in this process (one engine.step() is one forward pass, done when it
+# returns), quiet, with a fixed KV cache: set before anything imports vLLM
+os.environ.update(vllm_env())
 
 import config
-from data import UsageError
-from eval import eval_prompts, scored
-from grpo import (as_tensors, batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
+from data import UsageError, load_splits, prompt_ids
+from eval import scored
+from grpo import (batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
                   optimizer_step, run_tokens, score_batch, token_weights, train_step)
 from pace import Pool, pool_stats
-from preflight import check_budget, check_model, load_splits
+from preflight import check_budget, check_model
 from regimes import make_regime
 from runlog import RunLog, step_line, write_ledger
 
@@ -136,7 +137,6 @@ def main(argv=None, engine=None):
     check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"], cfg["max_model_len"])
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from engine import Generator, load_in_place, make_engine
     regime = make_regime(cfg["regime"])
     fresh_run_dir(cfg["out"])
     with open(os.path.join(cfg["out"], "config.json"), "w") as f:
@@ -152,7 +152,7 @@ def main(argv=None, engine=None):
         load_in_place(engine, 0, model.state_dict())
     gen = Generator(cfg, engine or make_engine(cfg), train_problems, tokenizer, outbox, clock)
     pool, log = Pool(cfg), RunLog(cfg["out"], clock=clock.now)
-    eval_ids = eval_prompts(tokenizer, test, cfg["dataset"])
+    eval_ids = prompt_ids(tokenizer, test, cfg["dataset"])
     torch.manual_seed(cfg["seed"])  # vLLM samples from torch's generator: the same draws on every run
 
     def evaluate(step, version):

@@ -37,29 +37,14 @@ import argparse
 import json
 import os
 
+from runlog import activity_spans, per_token, read_jsonl  # the run directory's files, read back
+
 COLOURS = {"starting": "white", "generating": "tab:green", "draining": "tab:orange", "loading": "tab:red", "idle": "lightgrey",
            "evaluating": "tab:purple", "training": "tab:blue", "syncing": "tab:red", "waiting": "lightgrey",
            "saving": "tab:brown", "done": "white", "stopped": "white"}  # stopped: a crash until --resume
 # one colour per weight version (cycled): tokens of v and v+1 must differ at a glance,
 # and from the process colours above
 VERSION_COLOURS = ["#E6A700", "#9E6BC8", "#2AA198", "#F06EAA", "#B5B528", "#56B4E9"]
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def activity_spans(events):
-    """(proc, what, t0, t1) for each stretch of one activity; marks are not activities.
-    A process's last activity lasts until the last event of the run."""
-    acts = [e for e in events if "what" in e]
-    end = max([e["t"] for e in events] or [0])
-    out = []
-    for proc in sorted({e["proc"] for e in acts}):
-        mine = [e for e in acts if e["proc"] == proc]
-        out += [(proc, e["what"], e["t"], nxt["t"] if nxt else end) for e, nxt in zip(mine, mine[1:] + [None])]
-    return out
 
 
 def plot_run(run):
@@ -220,12 +205,6 @@ def legend_handles(versions):
     h += [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k], label=f"process: {k}")
           for k in ("generating", "draining", "idle", "training", "syncing", "evaluating")]
     return h
-
-
-def per_token(steps, key):
-    """A metrics.jsonl key's mean over every trained token of `steps` (each step's value
-    weighted by its trained_tokens): the run's share, not the mean of its steps' shares."""
-    return sum(m[key] * m["trained_tokens"] for m in steps) / max(1, sum(m["trained_tokens"] for m in steps))
 
 
 def cost(run, regime):

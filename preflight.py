@@ -5,7 +5,8 @@ seconds, not the minutes of a model load and an engine start.
 
 It protects the user from:
 - a typo in a flag or a file that surfaces ten minutes in, or as a traceback
-  (config.check_config, load_splits, check_model: one line, exit code 2, via data.UsageError);
+  (config.check_config, check_model, and data.load_splits: one line, exit code 2, via
+  data.UsageError);
 - vLLM capping answers without a word, or refusing in the generator after its start
   (check_budget: the longest prompt + --max-new-tokens must fit --max-model-len);
 - a trainer that runs out of GPU memory after the model loaded (check_memory_plan),
@@ -19,7 +20,7 @@ import os
 import sys
 
 from config import hub_id_shaped
-from data import UsageError, hub_reachable, load_problems, make_prompt
+from data import UsageError, hub_reachable, make_prompt
 
 
 def check_model(name):
@@ -62,16 +63,6 @@ def check_budget(path, dataset, problems, max_new_tokens, max_model_len, name=No
         raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit --max-model-len {max_model_len} after the "
                          f"longest prompt ({longest} tokens): lower it to {max_model_len - longest} or raise "
                          f"--max-model-len to {longest + max_new_tokens}")
-
-
-def load_splits(cfg):
-    """Both splits, before torch or transformers load: the generator reads the train
-    split itself, but a bad file or an offline Hub should stop the run before
-    anything expensive starts. The test split is the trainer's, for evaluations."""
-    train = load_problems(cfg["dataset"], "train", data_file=cfg["data_file"], steps=cfg["synth_steps"])
-    test = load_problems(cfg["dataset"], "test", n=cfg["eval_n"], data_file=cfg["eval_data_file"],
-                         steps=cfg["synth_steps"], flag="--eval-data-file")
-    return train, test
 
 
 def memory_plan(cfg, config, logit_chunk_bytes, world=1):

@@ -35,6 +35,14 @@ import time
 from datetime import timedelta
 
 
+def weight_specs(state_dict, dtype=None):
+    """(name, dtype, shape) of every tensor, in send order (Ranks.weights; the push sends
+    these first: generator.GeneratorHandle.push). We send the state_dict,
+    not named_parameters(): the latter leaves out tied weights (lm_head.weight on
+    Qwen3-0.6B and the tiny model), and vLLM then keeps its load-time copy."""
+    return [(k, str(dtype or v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state_dict.items()]
+
+
 def watch_launcher():
     """torchrun starts each rank in a session of its own, so when torchrun itself is
     killed (-9: it cannot clean up) nothing stops the ranks. Each rank exits when its
@@ -138,7 +146,6 @@ class Ranks:
         gathered from the shards before it is yielded (every rank must walk them; only
         rank 0 sends them on). One rank: each tensor cast as it is sent, no copy of the
         whole model."""
-        from generator import weight_specs
         state = model.state_dict()  # DTensors under FSDP2: their shapes are the full ones
 
         def tensors():

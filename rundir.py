@@ -23,6 +23,7 @@ import sys
 import time
 
 from data import UsageError
+from runlog import read_jsonl
 
 LOGS = ("metrics.jsonl", "events.jsonl", "answers.jsonl", "eval_answers.jsonl")
 
@@ -146,7 +147,6 @@ def cut_logs(out, state):
             os.truncate(path, size)
             print(f"resume: {lines} lines of {name} written after the step-{state['step']} "
                   f"checkpoint moved to {side}", file=sys.stderr)
-    from plot import read_jsonl
     with open(os.path.join(out, "events.jsonl"), "a") as f:  # the gap until this restart is no activity
         for proc in ["trainer"] + sorted({e["proc"] for e in read_jsonl(os.path.join(out, "events.jsonl"))} - {"trainer"}):
             f.write(json.dumps(dict(t=state.get("saved_t", time.time()), proc=proc, what="stopped")) + "\n")

@@ -1,7 +1,8 @@
 """
 The run directory, out/<run>/, as both trainers write it (lesson.py on its simulated
-clock, train.py on the wall clock), and the wasted-work ledger read back from it.
-Every figure is drawn from these files (plot.py); rundir.py keeps them across a crash.
+clock, train.py on the wall clock), how its files are read back (read_jsonl,
+activity_spans, per_token), and the wasted-work ledger read back from it. Every figure
+is drawn from these files (plot.py); rundir.py keeps them across a crash.
 
     config.json     the run's settings, every flag resolved
     metrics.jsonl   one line per optimizer step (and the evaluation at step 0)
@@ -108,6 +109,34 @@ def step_line(m):
             + f" | wait {m['trainer_wait_s']:.2f}s")
 
 
+# -----------------------------------------------------------------------------
+# reading the files back (plot.py, the ledger, --resume, the tools)
+
+
+def read_jsonl(path):
+    """The records of a .jsonl file of the run directory, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def activity_spans(events):
+    """(proc, what, t0, t1) for each stretch of one activity; marks are not activities.
+    A process's last activity lasts until the last event of the run."""
+    acts = [e for e in events if "what" in e]
+    end = max([e["t"] for e in events] or [0])
+    out = []
+    for proc in sorted({e["proc"] for e in acts}):
+        mine = [e for e in acts if e["proc"] == proc]
+        out += [(proc, e["what"], e["t"], nxt["t"] if nxt else end) for e, nxt in zip(mine, mine[1:] + [None])]
+    return out
+
+
+def per_token(steps, key):
+    """A metrics.jsonl key's mean over every trained token of `steps` (each step's value
+    weighted by its trained_tokens): the run's share, not the mean of its steps' shares."""
+    return sum(m[key] * m["trained_tokens"] for m in steps) / max(1, sum(m["trained_tokens"] for m in steps))
+
+
 def write_ledger(cfg, gen_stats):
     """The wasted-work ledger of the run (every session of it, when it was resumed):
     where the generated tokens went, and each process's wall-clock by activity
@@ -115,7 +144,6 @@ def write_ledger(cfg, gen_stats):
     discarded + rejected + left over (in the pool or in flight at the end, or lost
     when a run died after its checkpoint); recomputed tokens were prefilled again, not
     generated. gen_stats: the generator's counters, which a resumed run continues."""
-    from plot import activity_spans, read_jsonl
     steps = [m for m in read_jsonl(os.path.join(cfg["out"], "metrics.jsonl")) if "trained_tokens" in m]
     tok = dict(generated=gen_stats.get("gen_tokens", 0), trained=sum(m["trained_tokens"] for m in steps),
                discarded=gen_stats.get("discarded_tokens", 0),

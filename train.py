@@ -31,12 +31,12 @@ import sys
 import time
 
 import config
-from data import UsageError
+from data import UsageError, load_splits, prompt_ids
 from devices import prepare
 from grpo import (LOGIT_CHUNK_BYTES, TrainingDiverged, activation_checkpointing, batch_metrics, generator_metrics,
                   lr_at, micro_batches, minibatches, offpolicy_metrics, old_logprobs, optimizer_step, run_tokens,
                   score_batch, token_weights, train_step)
-from preflight import check_budget, check_kv_plan, check_memory_plan, check_model, load_splits
+from preflight import check_budget, check_kv_plan, check_memory_plan, check_model
 from ranks import Ranks
 from rundir import cut_logs, load_trainer_state, resume_config, save_checkpoint
 from runlog import RunLog, step_line, write_ledger
@@ -83,7 +83,7 @@ def main(argv=None):
     train_problems, test = load_splits(cfg)  # a bad file or flag stops the run here, in seconds
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from eval import eval_prompts, scored
+    from eval import scored
     from generator import GeneratorHandle
     from pace import Pool, pool_stats
 
@@ -137,7 +137,7 @@ def main(argv=None):
     pool = Pool(cfg, progress["data_position"], progress["done_groups"])  # finished answers, by group (pace.py)
     last_stats, last_t = dict(gen.stats), time.time()
     cpu_s0 = progress["trainer_cpu_s"] - time.process_time()  # resume: the trainer's CPU time at the checkpoint
-    eval_prompt_ids = eval_prompts(tokenizer, test, cfg["dataset"])
+    eval_prompt_ids = prompt_ids(tokenizer, test, cfg["dataset"])
 
     def intake(msg):
         """One message from the generator: an event for the timeline, or an answer for the pool."""

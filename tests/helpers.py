@@ -142,7 +142,7 @@ def run_with_switch(regime, n=32, model_args=(), at_step=20):
     perturbed weights v1 through the regime, then write every answer admitted before
     v2 would be needed. Returns (the first n samples, old HF model, new HF model, stats)."""
     from engine import load_in_place
-    from grpo import as_tensors
+    from engine import as_tensors
     gen, regime, outbox, cfg = generator(regime, *model_args)
     old, new = hf_model(cfg), hf_model(cfg)
     new.load_state_dict(perturbed(old, seed=3))

@@ -15,7 +15,7 @@ import re
 import pytest
 
 import helpers
-from helpers import ROOT, graph
+from helpers import ROOT, graph, project_modules
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
@@ -169,3 +169,63 @@ def test_the_readme_results_are_the_course_tables():
         theirs = {float(x) for x in re.findall(number, mine.group(1))} if mine else set()
         missing += [f"{regime}: {x}" for x in re.findall(number, cells) if float(x) not in theirs]
     assert len(rows) == 5 and not missing, (len(rows), missing)
+def longest_chain(g):
+    """The longest import chain of graph g, as a list of modules, the importer first.
+    A module stands one floor above everything it imports; the floors are its length."""
+    memo = {}
+
+    def chain(m, path=()):
+        if m in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(m):] + (m,)))
+        if m not in memo:
+            memo[m] = [m] + max((chain(n, path + (m,)) for n in sorted(g.get(m, ()))), key=len, default=[])
+        return memo[m]
+    return max((chain(m) for m in sorted(g)), key=len, default=[])
+
+
+FLOORS = 5  # issue 42: 6 before (train -> ranks -> generator -> grpo -> reward -> data)
+
+
+def test_import_floors():
+    """The lesson's modules (the root) stand on at most FLOORS floors: the longest chain of
+    imports (lazy ones included) is lesson or train -> config -> grpo -> reward -> data. A
+    helper lives beside what it serves, not in a module that pulls its importer up a floor."""
+    g = {m: {n for n in deps if not n.startswith("tools.")} for m, deps in graph().items() if not m.startswith("tools.")}
+    chain = longest_chain(g)
+    print("longest import chain:", " -> ".join(chain))
+    assert len(chain) <= FLOORS, f"{len(chain)} floors: " + " -> ".join(chain)
+
+
+def drawing_names():
+    """What plot.py offers to draw with: its figures (plot_* functions) and its palettes
+    (upper-case constants, for a figure drawn elsewhere in the same colours)."""
+    tree = ast.parse(open(os.path.join(ROOT, "plot.py")).read())
+    figures = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("plot_")}
+    palettes = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name) and t.id.isupper()}
+    return figures | palettes
+
+
+def test_only_drawing_imports_plot():
+    """plot.py draws; reading the run directory is runlog.py's. A module of the lesson or a
+    tool imports from plot only what draws (drawing_names: a plot_* figure or a palette),
+    by name, never the module whole; so nothing that writes or reads a run pulls in the
+    figures (runlog.py and rundir.py used to, for read_jsonl)."""
+    allowed, bad = drawing_names(), []
+    assert {"plot_run", "plot_answers", "plot_curves", "COLOURS"} <= allowed, allowed
+    for m, path in project_modules().items():
+        if m == "plot" or os.path.basename(path).startswith("test_"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import) and any(a.name == "plot" for a in node.names):
+                bad.append(f"{m}: import plot")
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "plot":
+                bad += [f"{m}: from plot import {a.name}" for a in node.names if a.name not in allowed]
+    assert not bad, bad
+
+
+def test_the_floor_count_can_fail():
+    """The check itself: a chain a -> b -> c is three floors, and a circle is named."""
+    assert longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ["a", "b", "c"]
+    with pytest.raises(AssertionError, match="a -> b -> a"):
+        longest_chain({"a": {"b"}, "b": {"a"}})

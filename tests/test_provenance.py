@@ -107,7 +107,8 @@ def test_provenance_of_a_switch(regime):
 def test_answers_figure_and_ledger(tmp_path):
     """A small real run with long answers (in flight at the pushes); the figure's
     lanes and the ledger are checked against the run's own files."""
-    from plot import plot_answers, read_jsonl
+    from plot import plot_answers
+    from runlog import read_jsonl
     run = str(tmp_path / "stale")
     r = subprocess.run([sys.executable, "train.py", "--regime", "stale", "--out", run, "--steps", "4",
                         "--eval-every", "0", "--no-plot", *LONG[:-2]],

@@ -67,7 +67,8 @@ def bench_sync(args):
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
-    from generator import GeneratorHandle, init_weight_group, spawn_with_env, weight_specs
+    from generator import GeneratorHandle, init_weight_group, spawn_with_env
+    from ranks import weight_specs
     from preflight import engine_plan
     from devices import prepare
     from train import parse_config
@@ -196,8 +197,7 @@ def bench_generate(args):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
-    from data import load_problems
-    from eval import eval_prompts
+    from data import load_problems, prompt_ids
     from engine import Generator, make_engine
     from devices import prepare
     from train import parse_config
@@ -216,7 +216,7 @@ def bench_generate(args):
               max_num_seqs=cfg["max_num_seqs"], enforce_eager=cfg["gen_devices"][0] == "cpu",
               logprobs_mode="processed_logprobs", gpu_memory_utilization=cfg["gen_memory_utilization"])
     params = SamplingParams(temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0, detokenize=False)
-    prompts = [dict(prompt_token_ids=ids) for ids in eval_prompts(tok, problems, "synth") for _ in range(8)]
+    prompts = [dict(prompt_token_ids=ids) for ids in prompt_ids(tok, problems, "synth") for _ in range(8)]
     ours, theirs = [], []
     for _ in range(args.rounds):  # alternate, so both see the same machine; the first round warms up
         gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0

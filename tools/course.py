@@ -21,7 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from plot import per_token, read_jsonl  # noqa: E402
+from runlog import per_token, read_jsonl  # noqa: E402
 
 LONG = ("--preset", "long")
 EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])

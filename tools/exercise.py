@@ -22,7 +22,6 @@ depends on timing (they run the Generator and lesson.py, not processes that race
 import argparse
 import ast
 import os
-import re
 import shutil
 import subprocess
 import sys

@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from course import finished  # noqa: E402
-from plot import per_token, read_jsonl  # noqa: E402
+from runlog import per_token, read_jsonl  # noqa: E402
 from sweep import t_interval  # noqa: E402
 
 SEEDS = (0, 1, 2)

@@ -47,7 +47,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
-from plot import COLOURS as ACTIVITY_COLOURS, per_token, read_jsonl  # noqa: E402
+from plot import COLOURS as ACTIVITY_COLOURS  # its timeline figure: plot.py's colours
+from runlog import per_token, read_jsonl
 
 # Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
 # before the sweep: halfway from the start to the end of pilot sync runs of the preset

@@ -9,11 +9,10 @@ runs on); lesson.py those of its simulated clock.
 
 import argparse
 import os
-import re
 import sys
 import time
 
-from data import DATASETS, UsageError, steps_range
+from data import DATASETS, UsageError, hub_id_shaped, steps_range
 from grpo import LOSSES
 from pace import default_target
 from regimes import REGIMES
@@ -237,10 +236,3 @@ def check_config(cfg):
     steps_range(cfg["synth_steps"])
     if cfg["model"] not in PRESET_MODELS and not os.path.isdir(cfg["model"]) and not hub_id_shaped(cfg["model"]):
         raise UsageError(f"--model {cfg['model']}: neither a directory nor a Hub id (org/name)")
-
-
-def hub_id_shaped(name):
-    """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
-    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
-        and "--" not in name and ".." not in name
-

@@ -169,6 +169,12 @@ def read_rows_file(path):
     return rows
 
 
+def hub_id_shaped(name):
+    """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
+        and "--" not in name and ".." not in name
+
+
 def hub_reachable(timeout=3.0):
     """One TCP connection to the Hub (or HF_ENDPOINT): milliseconds when offline,
     where `datasets` retries five times over ~25 s before it gives up."""

@@ -16,24 +16,7 @@ from config import BASE, DEFAULTS, model_path
 from data import DATASETS, load_problems, prompt_ids
 from engine import vllm_env
 from preflight import check_budget, check_model
-
-
-def grade(completions, problems, dataset, truncated=None):
-    """1.0 for each problem answered right, else 0.0; an answer cut at the length cap (truncated) is wrong."""
-    from reward import score
-    truncated = truncated or [False] * len(completions)
-    return [score(c, p["answer"], dataset) * (not cut) for c, p, cut in zip(completions, problems, truncated)]
-
-
-def scored(answers, tokenizer, problems, dataset, log, step, version):
-    """An evaluation of both trainers: greedy answers, (token ids, finish reason) per test
-    problem in order, graded (one cut at the length cap is wrong) and kept in
-    eval_answers.jsonl (runlog.RunLog.evaluation); returns the step's eval metrics."""
-    texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
-    cut = [reason == "length" for _, reason in answers]
-    right = grade(texts, problems, dataset, cut)
-    log.evaluation(step, version, texts, problems, cut, right)
-    return dict(eval_acc=sum(right) / max(1, len(problems)), eval_truncated_frac=sum(cut) / len(cut))
+from reward import grade
 
 
 def pass_at_1(completions, problems, dataset, truncated=None):

@@ -50,7 +50,7 @@ os.environ.update(vllm_env())
 
 import config
 from data import UsageError, load_splits, prompt_ids
-from eval import scored
+from reward import scored
 from grpo import (batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
                   optimizer_step, run_tokens, score_batch, token_weights, train_step)
 from pace import Pool, pool_stats
@@ -157,7 +157,7 @@ def main(argv=None, engine=None):
 
     def evaluate(step, version):
         """Greedy pass@1 of the generator's weights on the test problems, each answer kept in
-        eval_answers.jsonl (eval.scored); the engine's steps cost clock time."""
+        eval_answers.jsonl (reward.scored); the engine's steps cost clock time."""
         return scored(gen.evaluate(eval_ids, cfg["max_new_tokens"]), tokenizer, test, cfg["dataset"], log, step, version)
 
     log.trainer("waiting")

@@ -19,8 +19,7 @@ train.py and lesson.py call one of these per line of their setup; this file says
 import os
 import sys
 
-from config import hub_id_shaped
-from data import UsageError, hub_reachable, make_prompt
+from data import UsageError, hub_id_shaped, hub_reachable, make_prompt
 
 
 def check_model(name):

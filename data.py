@@ -23,8 +23,10 @@ import re
 
 HUB = {  # dataset -> split -> (hub id, config, hub split)
     "gsm8k": {"train": ("openai/gsm8k", "main", "train"), "test": ("openai/gsm8k", "main", "test")},
-    "math": {"train": ("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
-             "test": ("HuggingFaceH4/MATH-500", "default", "test")},
+    "math": {
+        "train": ("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
+        "test": ("HuggingFaceH4/MATH-500", "default", "test"),
+    },
 }
 DATASETS = ("synth", "gsm8k", "math")
 
@@ -78,6 +80,7 @@ def synth_split(split, n, steps):
     rng = random.Random(f"{SYNTH_SEEDS[split]}:{lo}-{hi}")
     sizes, weights = range(lo, hi + 1), [1 / s for s in range(lo, hi + 1)]
     return [synth_problem(rng, rng.choices(sizes, weights)[0]) for _ in range(n)]
+
 
 # -----------------------------------------------------------------------------
 # hub datasets
@@ -144,6 +147,7 @@ def read_rows_file(path):
         return rows
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
+
         try:
             return pq.read_table(path).to_pylist()
         except Exception as e:  # ArrowInvalid, OSError: whatever the reader says is wrong with the file
@@ -157,8 +161,9 @@ def read_rows_file(path):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise UsageError(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); "
-                                     f"expected {FORMATS}") from None
+                    raise UsageError(
+                        f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); expected {FORMATS}"
+                    ) from None
                 if not isinstance(row, dict):
                     raise UsageError(f"{path}:{i}: a JSON {type(row).__name__}; expected {FORMATS}")
                 rows.append(row)
@@ -171,8 +176,12 @@ def read_rows_file(path):
 
 def hub_id_shaped(name):
     """The Hub's rule: one or two names of letters, digits, '-', '_', '.'; not a path."""
-    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "-")) \
-        and "--" not in name and ".." not in name
+    return (
+        bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name))
+        and not name.startswith((".", "-"))
+        and "--" not in name
+        and ".." not in name
+    )
 
 
 def hub_reachable(timeout=3.0):
@@ -180,6 +189,7 @@ def hub_reachable(timeout=3.0):
     where `datasets` retries five times over ~25 s before it gives up."""
     import socket
     from urllib.parse import urlparse
+
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
@@ -195,13 +205,16 @@ def load_rows(dataset, split, data_file, flag):
     if not hub_reachable():  # the local cache only, without the retries; the generator inherits this
         os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is imported: before the import below
     import datasets  # slow import, only for hub datasets
+
     if os.environ.get("HF_HUB_OFFLINE") == "1":  # in case datasets was imported before the line above
         datasets.config.HF_HUB_OFFLINE = True
     try:
         return list(datasets.load_dataset(hub_id, config, split=hub_split))
     except Exception as e:  # offline, or the hub is unreachable: say what to do
-        raise UsageError(f"could not load the {split} split of {hub_id} ({type(e).__name__}); offline? "
-                         f"pass {flag} with a local .jsonl/.parquet in its schema (see fixtures/{dataset}.jsonl)") from None
+        raise UsageError(
+            f"could not load the {split} split of {hub_id} ({type(e).__name__}); offline? "
+            f"pass {flag} with a local .jsonl/.parquet in its schema (see fixtures/{dataset}.jsonl)"
+        ) from None
 
 
 def load_problems(dataset, split, n=None, data_file=None, steps=4, flag="--data-file"):
@@ -217,8 +230,7 @@ def load_problems(dataset, split, n=None, data_file=None, steps=4, flag="--data-
         raise UsageError(f"{flag} {data_file}: no such file")
     rows = load_rows(dataset, split, data_file, flag)
     where = data_file or HUB[dataset][split][0]
-    problems = [to_problem(r, dataset, f"{where} row {i}")
-                for i, r in enumerate(rows[:n] if n else rows, 1)]
+    problems = [to_problem(r, dataset, f"{where} row {i}") for i, r in enumerate(rows[:n] if n else rows, 1)]
     return [p for p in problems if p["answer"]]
 
 
@@ -227,9 +239,16 @@ def load_splits(cfg):
     split itself, but a bad file or an offline Hub should stop the run before
     anything expensive starts. The test split is the trainer's, for evaluations."""
     train = load_problems(cfg["dataset"], "train", data_file=cfg["data_file"], steps=cfg["synth_steps"])
-    test = load_problems(cfg["dataset"], "test", n=cfg["eval_n"], data_file=cfg["eval_data_file"],
-                         steps=cfg["synth_steps"], flag="--eval-data-file")
+    test = load_problems(
+        cfg["dataset"],
+        "test",
+        n=cfg["eval_n"],
+        data_file=cfg["eval_data_file"],
+        steps=cfg["synth_steps"],
+        flag="--eval-data-file",
+    )
     return train, test
+
 
 # -----------------------------------------------------------------------------
 # prompts
@@ -239,8 +258,9 @@ def make_prompt(tokenizer, question, dataset):
     """Chat template when the model has one (Qwen3, thinking off), else a plain prompt."""
     if getattr(tokenizer, "chat_template", None):
         content = question + "\nPlease reason step by step, and put your final answer within \\boxed{}."
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True, enable_thinking=False)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
     return f"Question: {question}\nAnswer:"
 
 
@@ -248,5 +268,7 @@ def prompt_ids(tokenizer, problems, dataset):
     """Token ids of each problem's prompt (make_prompt), no special tokens added: the one
     builder of what the engine is given, for the generator's prompts (engine.Generator)
     and for evaluations (lesson.py, train.py, eval.py)."""
-    return [tokenizer(make_prompt(tokenizer, p["question"], dataset), add_special_tokens=False)["input_ids"]
-            for p in problems]
+    return [
+        tokenizer(make_prompt(tokenizer, p["question"], dataset), add_special_tokens=False)["input_ids"]
+        for p in problems
+    ]

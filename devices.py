@@ -40,8 +40,7 @@ def device_list(flag, n, what):
         raise UsageError(f"--{what}-device {flag}: {bad[0]!r} is not cpu or cuda:N")
     if len(devs) != n:
         per = "engine (--engines)" if what == "gen" else "trainer rank (torchrun --nproc_per_node)"
-        raise UsageError(f"--{what}-device {flag}: {len(devs)} devices for {n} processes; give one per {per}, "
-                         "or auto")
+        raise UsageError(f"--{what}-device {flag}: {len(devs)} devices for {n} processes; give one per {per}, or auto")
     return devs
 
 
@@ -58,22 +57,27 @@ def plan_devices(gen_flag, train_flag, engines, ranks, n_gpu, engines_here=True)
     gens, trains = device_list(gen_flag, engines, "gen"), device_list(train_flag, ranks, "train")
     if gens is None:
         if n_gpu and n > n_gpu:
-            raise UsageError(f"--engines {n} needs {n} GPUs, one per engine, and this machine shows {n_gpu}: lower "
-                             "--engines")
+            raise UsageError(
+                f"--engines {n} needs {n} GPUs, one per engine, and this machine shows {n_gpu}: lower --engines"
+            )
         gens = [f"cuda:{i}" for i in range(n)] if n_gpu else ["cpu"] * engines
     if trains is None:
         free = [f"cuda:{i}" for i in range(n_gpu) if f"cuda:{i}" not in gens[:n]]
         if n_gpu and len(free) < ranks:
-            raise UsageError(f"{n} generator engine(s) and {ranks} trainer rank(s) need {n + ranks} GPUs, this "
-                             f"machine shows {n_gpu}: lower --engines or torchrun's --nproc_per_node, or share a "
-                             "GPU by naming it in both --gen-device and --train-device")
+            raise UsageError(
+                f"{n} generator engine(s) and {ranks} trainer rank(s) need {n + ranks} GPUs, this "
+                f"machine shows {n_gpu}: lower --engines or torchrun's --nproc_per_node, or share a "
+                "GPU by naming it in both --gen-device and --train-device"
+            )
         trains = free[:ranks] if n_gpu else ["cpu"] * ranks
     for flag, devs in (("gen", gens[:n]), ("train", trains)):
         for d in devs:
             if d.startswith("cuda") and int(d[5:]) >= n_gpu:
                 seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-                raise UsageError(f"--{flag}-device: {d}, but this machine shows {n_gpu} GPU(s)"
-                                 + (f" (CUDA_VISIBLE_DEVICES={seen})" if seen is not None else ""))
+                raise UsageError(
+                    f"--{flag}-device: {d}, but this machine shows {n_gpu} GPU(s)"
+                    + (f" (CUDA_VISIBLE_DEVICES={seen})" if seen is not None else "")
+                )
         gpus = [d for d in devs if d.startswith("cuda")]
         if len(set(gpus)) < len(gpus):
             who = "generator engines" if flag == "gen" else "trainer ranks"
@@ -81,8 +85,10 @@ def plan_devices(gen_flag, train_flag, engines, ranks, n_gpu, engines_here=True)
     shared = sorted({d for d in gens[:n] if d.startswith("cuda")} & set(trains))
     auto = [d for d in shared if gen_flag == "auto" or train_flag == "auto"]
     if auto:
-        raise UsageError(f"{auto[0]} would hold a generator engine and a trainer rank: give them distinct GPUs, or "
-                         f"share it on purpose by naming it in both --gen-device and --train-device")
+        raise UsageError(
+            f"{auto[0]} would hold a generator engine and a trainer rank: give them distinct GPUs, or "
+            f"share it on purpose by naming it in both --gen-device and --train-device"
+        )
     return gens, trains, shared
 
 
@@ -95,10 +101,12 @@ def resolve_devices(cfg, world=1, local_rank=0):
     half (engines first), each half split among its processes. Returns the environment
     each engine's process starts with."""
     import torch
+
     n, local = cfg["engines"], int(os.environ.get("LOCAL_WORLD_SIZE", world))
     first = int(os.environ.get("RANK", 0)) - local_rank == 0  # this machine has trainer rank 0, hence the engines
-    gens, trains, shared = plan_devices(cfg["gen_device"], cfg["train_device"], n, local, torch.cuda.device_count(),
-                                        engines_here=first)
+    gens, trains, shared = plan_devices(
+        cfg["gen_device"], cfg["train_device"], n, local, torch.cuda.device_count(), engines_here=first
+    )
     train = cfg["trainer_device"] = trains[local_rank]
     cfg["gen_devices"] = gens
     # the weight group is trainer rank 0 + the engines: NCCL needs each on its own GPU, else gloo through CPU memory
@@ -107,24 +115,33 @@ def resolve_devices(cfg, world=1, local_rank=0):
     cfg["sync_backend"] = "nccl" if nccl else "gloo"
     cfg["gen_memory_utilization"] = cfg["gpu_memory_utilization"] or (0.3 if shared else 0.85)
     if local_rank == 0:
-        print(f"devices: generator {', '.join(gens)}; trainer {', '.join(trains)}; weights over {cfg['sync_backend']}"
-              + (f"; {', '.join(shared)} shared by the generator and the trainer, as asked (vLLM takes "
-                 f"{cfg['gen_memory_utilization']} of it)" if shared else ""), flush=True)
+        print(
+            f"devices: generator {', '.join(gens)}; trainer {', '.join(trains)}; weights over {cfg['sync_backend']}"
+            + (
+                f"; {', '.join(shared)} shared by the generator and the trainer, as asked (vLLM takes "
+                f"{cfg['gen_memory_utilization']} of it)"
+                if shared
+                else ""
+            ),
+            flush=True,
+        )
     # engine.vllm_env: the engine core in the generator process, vLLM quiet (it logs every
     # in-place reload; VLLM_LOGGING_LEVEL=INFO shows it all), on CPU a fixed KV cache that
     # leaves RAM for the trainer
-    envs = [dict(vllm_env(on_cpu=gens[0] == "cpu"), CUDA_VISIBLE_DEVICES=physical_gpu(g) if g.startswith("cuda")
-                 else "") for g in gens]
+    envs = [
+        dict(vllm_env(on_cpu=gens[0] == "cpu"), CUDA_VISIBLE_DEVICES=physical_gpu(g) if g.startswith("cuda") else "")
+        for g in gens
+    ]
     cores = sorted(os.sched_getaffinity(0))
     cfg["gen_threads"] = 1
     if gens[0] == "cpu":
-        half = cores[:max(1, len(cores) // 2)]
+        half = cores[: max(1, len(cores) // 2)]
         for i, env in enumerate(envs):
             mine = half[i::n] if len(half) >= n else half  # a core each if there are enough, else shared
             env["INFLIGHT_GEN_CORES"] = ",".join(map(str, mine))  # generator_main keeps to these
             cfg["gen_threads"] = len(mine)
         if train == "cpu" and len(cores) > 1:  # the trainer ranks keep to the other half
-            rest = cores[len(half):]
+            rest = cores[len(half) :]
             os.sched_setaffinity(0, rest[local_rank::local] if len(rest) >= local else rest)
     if train == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
@@ -138,6 +155,7 @@ def prepare(cfg, world=1, local_rank=0):
     checkpointing, on by --grad-checkpointing auto on a GPU. The settings that follow
     from the flags alone are config.fill's. Returns each engine's environment."""
     envs = resolve_devices(cfg, world, local_rank)
-    cfg["checkpointing"] = cfg["grad_checkpointing"] == "on" or (cfg["grad_checkpointing"] == "auto"
-                                                                 and cfg["trainer_device"] != "cpu")
+    cfg["checkpointing"] = cfg["grad_checkpointing"] == "on" or (
+        cfg["grad_checkpointing"] == "auto" and cfg["trainer_device"] != "cpu"
+    )
     return envs

@@ -25,6 +25,7 @@ class WallClock:
     def spend(self, work, tokens=0):
         pass
 
+
 # -----------------------------------------------------------------------------
 # one answer in flight, and what the trainer gets when it finishes
 
@@ -99,17 +100,28 @@ class Rollout:
         sample of five small tensors, against 0.2 ms pickled, measured). The trainer
         makes them tensors without a copy."""
         import numpy as np
+
         return dict(
-            sample_id=self.sample_id, prompt_id=self.prompt_id, group_id=self.group_id,
+            sample_id=self.sample_id,
+            prompt_id=self.prompt_id,
+            group_id=self.group_id,
             prompt_ids=np.array(self.prompt_ids, dtype=np.int32),
             token_ids=np.array(self.tokens, dtype=np.int32),
             logprobs=np.array(self.logprobs, dtype=np.float32),
             versions=np.array(self.versions, dtype=np.int32),
             stale=np.array(self.stale, dtype=bool),
-            recomputed=self.recomputed, finish_reason=finish_reason,
-            submitted=self.submitted, finished=now,
-            provenance=dict(admitted=self.submitted, prompt_len=len(self.prompt_ids), segments=self.segments,
-                            prefills=self.prefills, discarded=self.discarded, finished=now),
+            recomputed=self.recomputed,
+            finish_reason=finish_reason,
+            submitted=self.submitted,
+            finished=now,
+            provenance=dict(
+                admitted=self.submitted,
+                prompt_len=len(self.prompt_ids),
+                segments=self.segments,
+                prefills=self.prefills,
+                discarded=self.discarded,
+                finished=now,
+            ),
         )
 
     def restart(self, now):
@@ -124,6 +136,7 @@ def as_tensors(sample):
     what the trainer puts in its pool (lesson.py; generator.GeneratorHandle, off the queue)."""
     import numpy as np
     import torch
+
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
 
 
@@ -141,8 +154,7 @@ def vllm_env(on_cpu=True):
     cache of KV_CACHE_GIB GiB (without it vLLM asks for 92% of the node's memory and refuses
     to start when other processes hold some). A VLLM_LOGGING_LEVEL or VLLM_CPU_KVCACHE_SPACE
     already in this process's environment wins."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
     if on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
     return env
@@ -164,10 +176,13 @@ def make_engine(cfg, worker_extension=None):
     worker_extension: a class path vLLM mixes into its worker (generator.WeightReceiver
     receives pushed weights there); None for an engine that loads them in this process."""
     from vllm import EngineArgs, LLMEngine
+
     on_gpu = cfg.get("engine_device", "cpu").startswith("cuda")  # this engine's (devices.resolve_devices)
     max_len = cfg["max_model_len"]
     args = EngineArgs(
-        model=cfg["model_path"], tokenizer=cfg["model_path"], seed=cfg["seed"],
+        model=cfg["model_path"],
+        tokenizer=cfg["model_path"],
+        seed=cfg["seed"],
         dtype="bfloat16" if on_gpu else "float32",
         max_model_len=max_len,
         max_num_seqs=cfg["max_num_seqs"],
@@ -179,7 +194,8 @@ def make_engine(cfg, worker_extension=None):
         # budget is tokens prefilled per step: a recompute burst re-prefills every
         # answer in flight (hundreds on GPU, where a large prefill step is cheap); on
         # CPU, what vLLM's LLM class takes there (4096; an LLMEngine's default is 2048)
-        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 16384 if on_gpu else 4096),
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(max_len, 16384 if on_gpu else 4096),
         # logprob of the sampled token under the distribution actually sampled
         # from (after temperature), which is the behaviour policy the trainer needs
         logprobs_mode="processed_logprobs",
@@ -226,6 +242,7 @@ def watch_preemptions(engine, on_preempt):
     def counted(request, *args, **kwargs):
         on_preempt(request.request_id)
         return preempt(request, *args, **kwargs)
+
     scheduler._preempt_request = counted
 
 
@@ -251,19 +268,39 @@ class Generator:
     queue_size: finished answers it may hold before it stops admitting (the lesson
     empties the outbox every turn)."""
 
-    def __init__(self, cfg, engine, problems, tokenizer, outbox, clock=None, receive=load_in_place, *,
-                 engine_id=0, engines=1, start_version=0, start_group=0, skip_groups=(), start_stats=None,
-                 queue_size=float("inf")):
+    def __init__(
+        self,
+        cfg,
+        engine,
+        problems,
+        tokenizer,
+        outbox,
+        clock=None,
+        receive=load_in_place,
+        *,
+        engine_id=0,
+        engines=1,
+        start_version=0,
+        start_group=0,
+        skip_groups=(),
+        start_stats=None,
+        queue_size=float("inf"),
+    ):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from data import prompt_ids
+
         self.cfg, self.engine, self.outbox = cfg, engine, outbox
         self.clock, self.receive = clock or WallClock(), receive
         self.prompts = prompt_ids(tokenizer, problems, cfg["dataset"])
         self.answers = [p["answer"] for p in problems]  # travel with each sample, for the reward
         self.params = lambda max_tokens: SamplingParams(
-            temperature=cfg["temperature"], max_tokens=max_tokens, logprobs=0,
-            detokenize=False, output_kind=RequestOutputKind.DELTA)
+            temperature=cfg["temperature"],
+            max_tokens=max_tokens,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
         self.version = self.start_version = start_version  # > 0 when resuming
         self.inflight = {}  # request id -> Rollout
         # engine i of N writes the groups g = i mod N, from the data position on (pace.Pool.position)
@@ -274,8 +311,9 @@ class Generator:
         self.skip = set(skip_groups)  # groups after it already consumed or rejected (resume)
         self.rejected = 0  # groups the trainer's pool rejected since this generator started (may_admit)
         self.admitting = True  # drain turns this off while it finishes old answers
-        self.stats = dict(gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0,
-                          recomputed_tokens=0, loads=0, preempted=0)
+        self.stats = dict(
+            gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0, recomputed_tokens=0, loads=0, preempted=0
+        )
         self.stats.update(start_stats or {})  # resume: the run's counters at its checkpoint
         # requests in the engine at once (training + eval): at most what its KV cache holds
         self.kv_answers = min(cfg["max_num_seqs"], kv_capacity(engine, cfg["max_model_len"])[0])
@@ -288,8 +326,18 @@ class Generator:
         """Timeline entry (events.jsonl) when what the generator does changes (at t: now by default)."""
         if what != self.activity:
             self.activity = what
-            self.outbox.append(("event", dict(t=self.clock.now() if t is None else t, proc=self.proc,
-                                              engine=self.engine_id, what=what, version=self.version)))
+            self.outbox.append(
+                (
+                    "event",
+                    dict(
+                        t=self.clock.now() if t is None else t,
+                        proc=self.proc,
+                        engine=self.engine_id,
+                        what=what,
+                        version=self.version,
+                    ),
+                )
+            )
 
     def preempted(self, request_id):
         """vLLM preempted a request (see kv_capacity: it should never happen): its KV will
@@ -302,8 +350,14 @@ class Generator:
     def mark(self, kind, t0, t1, **more):
         """A moment on the timeline (events.jsonl) that is not an activity: a weight
         load from receive to loaded ("load", version = the new one), an evaluation ("eval")."""
-        self.outbox.append(("event", dict(t=t1, proc=self.proc, engine=self.engine_id, mark=kind, t0=t0, t1=t1,
-                                          version=self.version, **more)))
+        self.outbox.append(
+            (
+                "event",
+                dict(
+                    t=t1, proc=self.proc, engine=self.engine_id, mark=kind, t0=t0, t1=t1, version=self.version, **more
+                ),
+            )
+        )
 
     # -- what regimes call
 
@@ -354,8 +408,12 @@ class Generator:
         versions = self.version - self.start_version + self.cfg["max_lag"] + 1
         budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
         handed_over = len(self.outbox) < self.queue_size  # lesson.py empties it every turn
-        return (self.admitting and self.next_group < budget and handed_over
-                and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers)
+        return (
+            self.admitting
+            and self.next_group < budget
+            and handed_over
+            and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers
+        )
 
     def admit(self):
         while self.may_admit():
@@ -365,8 +423,9 @@ class Generator:
                 continue
             pid = g % len(self.prompts)  # the problem list is already shuffled
             for i in range(self.cfg["group_size"]):
-                self.submit(Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"],
-                                    self.clock.now()))
+                self.submit(
+                    Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"], self.clock.now())
+                )
 
     def step(self):
         """One engine step; finished answers go to the outbox."""
@@ -413,10 +472,12 @@ class Generator:
         from tqdm import tqdm
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
+
         self.set_activity("evaluating")
         t0 = self.clock.now()
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, detokenize=False, output_kind=RequestOutputKind.DELTA
+        )
         ids = [f"eval{self.version}-{i}" for i in range(len(prompts))]
         todo, self.eval_out = list(zip(ids, prompts)), {}
         running = lambda: sum(ev["reason"] is None for ev in self.eval_out.values())

@@ -29,22 +29,43 @@ def main():
     parser.add_argument("--model", required=True, help="checkpoint directory or Hub id ('tiny', 'smol': the presets)")
     parser.add_argument("--dataset", default=BASE["dataset"], choices=DATASETS, help="which test split")
     # the rest: what train.py evaluates with on --dataset (config.DEFAULTS), so that the numbers compare
-    parser.add_argument("--n", type=int, default=None,
-                        help=f"number of test problems, the first n (train.py's --eval-n: {config.default_text('eval_n', presets=False)})")
-    parser.add_argument("--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema "
-                                                          "(default: the Hub's)")
-    parser.add_argument("--synth-steps", default=BASE["synth_steps"],
-                        help="operations per synth problem: S or a long-tailed range A-B")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help=f"answer length cap ({config.default_text('max_new_tokens', presets=False)})")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help=f"prompt + answer cap ({config.default_text('max_model_len', presets=False)})")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="number of test problems, the first n "
+        f"(train.py's --eval-n: {config.default_text('eval_n', presets=False)})",
+    )
+    parser.add_argument(
+        "--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema (default: the Hub's)"
+    )
+    parser.add_argument(
+        "--synth-steps", default=BASE["synth_steps"], help="operations per synth problem: S or a long-tailed range A-B"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"answer length cap ({config.default_text('max_new_tokens', presets=False)})",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"prompt + answer cap ({config.default_text('max_model_len', presets=False)})",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
-    parser.add_argument("--show", type=int, default=0, help="print the first N answers, how each ended and its score: "
-                                                            "read what the model writes, not only the number")
+    parser.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        help="print the first N answers, how each ended and its score: read what the model writes, not only the number",
+    )
     args = parser.parse_args()
     model, defaults = model_path(args.model), DEFAULTS[args.dataset]
-    problems = load_problems(args.dataset, "test", n=args.n or defaults["eval_n"], data_file=args.data_file, steps=args.synth_steps)
+    problems = load_problems(
+        args.dataset, "test", n=args.n or defaults["eval_n"], data_file=args.data_file, steps=args.synth_steps
+    )
     check_model(model)  # before vLLM starts: one line for a path that is not there
     max_new = args.max_new_tokens or defaults["max_new_tokens"]
     max_len = args.max_model_len or defaults["max_model_len"]
@@ -52,6 +73,7 @@ def main():
     os.environ.update(vllm_env())  # as the generator's engine: on CPU, a fixed KV cache
     from vllm import LLM, SamplingParams  # ~10 s to import: after the checks
     import torch
+
     # the generator's dtype (engine.make_engine): vLLM's "auto" would cast a float32 checkpoint
     # to bfloat16 on a CPU too, and measure other weights than train.py's evaluations do
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -62,11 +84,17 @@ def main():
     texts = [o.outputs[0].text for o in outs]
     acc = pass_at_1(texts, problems, args.dataset, truncated)
     from reward import score
-    for text, p, cut in list(zip(texts, problems, truncated))[:args.show]:
-        print(f"--- {'cut at the cap' if cut else 'finished'}, {'right' if score(text, p['answer'], args.dataset) and not cut else 'wrong'} "
-              f"(answer {p['answer']}): {p['question']}\n{text}")
-    print(f"pass@1 {acc:.4f} on {len(problems)} {args.dataset} test problems ({model}); "
-          f"{sum(truncated)} answers cut at --max-new-tokens {max_new} (counted wrong)")
+
+    for text, p, cut in list(zip(texts, problems, truncated))[: args.show]:
+        right = score(text, p["answer"], args.dataset) and not cut
+        print(
+            f"--- {'cut at the cap' if cut else 'finished'}, {'right' if right else 'wrong'} "
+            f"(answer {p['answer']}): {p['question']}\n{text}"
+        )
+    print(
+        f"pass@1 {acc:.4f} on {len(problems)} {args.dataset} test problems ({model}); "
+        f"{sum(truncated)} answers cut at --max-new-tokens {max_new} (counted wrong)"
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ import time
 import traceback
 
 from engine import Generator, as_tensors, kv_capacity, lane, make_engine
-from preflight import PUSH_AHEAD_BYTES, PUSH_SEND_BYTES  # how far a push runs ahead: the engine's receive, the trainer's send
+from preflight import (
+    PUSH_AHEAD_BYTES,
+    PUSH_SEND_BYTES,
+)  # how far a push runs ahead: the engine's receive, the trainer's send
 from ranks import weight_specs  # what a push sends first
 
 SYNC_HOST = "127.0.0.1"  # the weight group's rendezvous: the engines run on trainer rank 0's machine
@@ -40,8 +43,10 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
     it bound itself (no race for the port, and no torchrun agent store: see
     spawn_with_env)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size=world_size, backend=backend,
-                                                          listen_socket=listen_socket)
+
+    return stateless_init_torch_distributed_process_group(
+        host, port, rank, world_size=world_size, backend=backend, listen_socket=listen_socket
+    )
 
 
 def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
@@ -57,6 +62,7 @@ def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
     themselves, which the next optimizer step overwrites."""
     import collections
     import torch
+
     group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # WeightReceiver: "all here"
     works, held = collections.deque(), 0  # (bytes, work) in flight; their bytes
     for t in tensors:
@@ -75,6 +81,7 @@ def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
         for _, work in works:
             work.wait()
         return ack.item()
+
     return works[-1][1].is_completed, finish
 
 
@@ -114,6 +121,7 @@ class WeightReceiver:
         loading); None with one."""
         import collections
         import torch
+
         device = buffer_device(self.weight_backend, self.device)
         group = self.weight_group
         group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # all engines here
@@ -154,8 +162,10 @@ class WeightReceiver:
             except RuntimeError as e:  # a dead trainer or engine: "Connection closed by peer"
                 # vLLM would put the old tensors back into the layers it got nothing for and
                 # build the half-received ones from what arrived: never step on that
-                raise RuntimeError(f"the push of v{version} broke after {done} of {len(specs)} tensors; "
-                                   "this engine's weights are half loaded, so it stops") from e
+                raise RuntimeError(
+                    f"the push of v{version} broke after {done} of {len(specs)} tensors; "
+                    "this engine's weights are half loaded, so it stops"
+                ) from e
             if t.is_cuda:  # NCCL's wait() only orders the streams: hold the CPU until the bytes are here
                 torch.cuda.current_stream().synchronize()  # (and the loads queued before), so `ahead` is true
             ahead -= t.numel() * t.element_size()
@@ -163,6 +173,7 @@ class WeightReceiver:
             if done == len(specs):  # every byte is here: release the trainer before the last load
                 ack.append(group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)))
             return name, t
+
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
@@ -171,6 +182,7 @@ class WeightReceiver:
             raise RuntimeError(f"vLLM loaded {done} of the {len(specs)} tensors of v{version}; this engine stops")
         ack[0].wait()
         return joined
+
 
 # -----------------------------------------------------------------------------
 # the process
@@ -197,9 +209,11 @@ def generator_main(cfg, samples_q, control_q, joined):
     process read before importing torch or vLLM."""
     import faulthandler
     import signal
+
     keep_to_gen_cores()
     try:  # `ps` and the tests tell the engines apart (setproctitle comes with vLLM)
         import setproctitle
+
         setproctitle.setproctitle(f"inflight-generator{cfg.get('engine', 0)}")
     except ImportError:
         pass
@@ -213,6 +227,7 @@ def generator_main(cfg, samples_q, control_q, joined):
     # There appear to be 1 leaked semaphore objects"). A thread lock does, in one process.
     import threading
     from tqdm import tqdm
+
     tqdm.set_lock(threading.RLock())
     try:
         run_generator(cfg, samples_q, control_q, joined, trainer=os.getppid())
@@ -231,6 +246,7 @@ def flush(q, timeout):
     goes last), then give up. A trainer blocked in a weight broadcast reads nothing
     until this process exits and the broadcast fails: waiting for it would deadlock."""
     import threading
+
     q.close()
     t = threading.Thread(target=q.join_thread, daemon=True)
     t.start()
@@ -246,6 +262,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
     from transformers import AutoTokenizer
     from data import load_problems
     from regimes import make_regime
+
     torch.set_num_threads(cfg["gen_threads"])
     regime = make_regime(cfg["regime"])
     problems = load_problems(cfg["dataset"], "train", data_file=cfg.get("data_file"), steps=cfg["synth_steps"])
@@ -260,14 +277,33 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
         stall_test_hook("push", version, cfg.get("engine", 0))
         joined.value = version
         return receive_broadcast(engine, version, specs, cfg.get("push_ahead_bytes", PUSH_AHEAD_BYTES))
-    gen = Generator(cfg, engine, problems, tokenizer, outbox, receive=receive, engine_id=cfg["engine"],
-                    engines=cfg["engines"], start_version=cfg["start_version"], start_group=cfg["start_group"],
-                    skip_groups=cfg["skip_groups"], start_stats=cfg["start_stats"], queue_size=cfg["queue_size"])
+
+    gen = Generator(
+        cfg,
+        engine,
+        problems,
+        tokenizer,
+        outbox,
+        receive=receive,
+        engine_id=cfg["engine"],
+        engines=cfg["engines"],
+        start_version=cfg["start_version"],
+        start_group=cfg["start_group"],
+        skip_groups=cfg["skip_groups"],
+        start_stats=cfg["start_stats"],
+        queue_size=cfg["queue_size"],
+    )
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
-    samples_q.put(("engine_ready", dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens,
-                                        admit_at_once=gen.kv_answers)))
-    engine.collective_rpc("init_weight_group", args=(SYNC_HOST, cfg["sync_port"], 1 + gen.engine_id,
-                                                     1 + cfg.get("engines", 1), cfg["sync_backend"]))
+    samples_q.put(
+        (
+            "engine_ready",
+            dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens, admit_at_once=gen.kv_answers),
+        )
+    )
+    engine.collective_rpc(
+        "init_weight_group",
+        args=(SYNC_HOST, cfg["sync_port"], 1 + gen.engine_id, 1 + cfg.get("engines", 1), cfg["sync_backend"]),
+    )
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     idle, steps, recent = False, 0, collections.deque(maxlen=256)  # recent: engine step times, s
     last_put = time.time()
@@ -296,8 +332,9 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
             pending = None
         if pending is None and evals:
             prompts, max_tokens = evals.pop(0)
-            outbox.append(("eval", dict(engine=gen.engine_id, version=gen.version,
-                                        answers=gen.evaluate(prompts, max_tokens))))
+            outbox.append(
+                ("eval", dict(engine=gen.engine_id, version=gen.version, answers=gen.evaluate(prompts, max_tokens)))
+            )
         gen.admit()
         idle = not gen.inflight
         if idle:  # nothing to do: wait for weights (sync, max-lag) or for the trainer to drain the queue
@@ -331,10 +368,12 @@ def stall_test_hook(kind, n, engine):
     INFLIGHT_TEST_STALL_AT_PUSH=V before it joins the push of version V, alive and
     silent, as a stuck engine or a deadlocked worker would; with
     INFLIGHT_TEST_STALL_ENGINE=i, only engine i does."""
-    if n == int(os.environ.get(f"INFLIGHT_TEST_STALL_AT_{kind.upper()}", 0)) \
-            and os.environ.get("INFLIGHT_TEST_STALL_ENGINE", str(engine)) == str(engine):
+    if n == int(os.environ.get(f"INFLIGHT_TEST_STALL_AT_{kind.upper()}", 0)) and os.environ.get(
+        "INFLIGHT_TEST_STALL_ENGINE", str(engine)
+    ) == str(engine):
         while True:
             time.sleep(3600)
+
 
 def die_test_hook(version, specs, tensors):
     """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_DIE_IN_PUSH=V in the environment
@@ -345,11 +384,14 @@ def die_test_hook(version, specs, tensors):
 
     def halfway():
         import signal
+
         for i, t in enumerate(tensors):
             if i == len(specs) // 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             yield t
+
     return halfway()
+
 
 # -----------------------------------------------------------------------------
 # the trainer's handle on the generator process
@@ -378,10 +420,25 @@ def spawn_with_env(ctx, env, target, args, **kw):
 # torchrun's variables, which a generator spawned by trainer rank 0 must not inherit: vLLM
 # reads some of them, and with TORCHELASTIC_USE_AGENT_STORE=True torch's rendezvous turns the
 # weight group's store into a client of torchrun's agent, and the group never forms
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
 
 
 class GeneratorHandle:
@@ -393,6 +450,7 @@ class GeneratorHandle:
         """envs: one environment per engine (devices.resolve_devices)."""
         import socket
         import torch.multiprocessing as mp
+
         self.n = len(envs)
         listen = socket.socket()  # the weight group's store: this port, bound here, handed to vLLM's helper
         listen.bind((SYNC_HOST, 0))
@@ -402,12 +460,27 @@ class GeneratorHandle:
         self.samples_q = ctx.Queue(maxsize=cfg["queue_size"])  # bounded: back-pressure; one for all engines
         self.control_qs = [ctx.Queue() for _ in envs]
         self.joined = [ctx.Value("i", cfg["start_version"], lock=False) for _ in envs]  # the last push each joined
-        self.procs = [spawn_with_env(ctx, {**dict.fromkeys(TORCHRUN_ENV), **env}, generator_main,
-                                     (dict(cfg, engine=i, engine_device=cfg["gen_devices"][i],
-                                           start_stats=cfg.get("start_stats") if i == 0 else None),
-                                      self.samples_q, self.control_qs[i], self.joined[i]),
-                                     daemon=True, name=f"inflight-generator{i}")
-                      for i, env in enumerate(envs)]
+        self.procs = [
+            spawn_with_env(
+                ctx,
+                {**dict.fromkeys(TORCHRUN_ENV), **env},
+                generator_main,
+                (
+                    dict(
+                        cfg,
+                        engine=i,
+                        engine_device=cfg["gen_devices"][i],
+                        start_stats=cfg.get("start_stats") if i == 0 else None,
+                    ),
+                    self.samples_q,
+                    self.control_qs[i],
+                    self.joined[i],
+                ),
+                daemon=True,
+                name=f"inflight-generator{i}",
+            )
+            for i, env in enumerate(envs)
+        ]
         self.cfg, self.version = cfg, cfg["start_version"]
         self.stats = dict(cfg.get("start_stats") or {})  # the generators' counters (summed), as samples carry them
         self.engine_stats = [dict(self.stats) if i == 0 else {} for i in range(self.n)]
@@ -425,8 +498,9 @@ class GeneratorHandle:
             infos[msg[1]["engine"]] = msg[1]
         # the KV cache's size (preflight.check_kv_plan): the smallest engine's
         self.engine_info = min(infos.values(), key=lambda info: info["admit_at_once"])
-        self.group = init_weight_group(SYNC_HOST, cfg["sync_port"], 0, 1 + self.n, cfg["sync_backend"],
-                                       listen_socket=listen)
+        self.group = init_weight_group(
+            SYNC_HOST, cfg["sync_port"], 0, 1 + self.n, cfg["sync_backend"], listen_socket=listen
+        )
 
     def name(self, i):
         return "generator" if self.n == 1 else f"generator engine {i}"
@@ -463,7 +537,7 @@ class GeneratorHandle:
         reason), the prompts split evenly across the engines; samples that arrive
         meanwhile are returned too, for the trainer's pool."""
         size = -(-len(prompts) // self.n)
-        chunks = [prompts[i * size:(i + 1) * size] for i in range(self.n)]
+        chunks = [prompts[i * size : (i + 1) * size] for i in range(self.n)]
         waves = 1 + size // self.engine_info["admit_at_once"]  # what an engine holds at once
         timeout = self.stall_bound() * waves
         for q, chunk in zip(self.control_qs, chunks):
@@ -492,8 +566,10 @@ class GeneratorHandle:
                     return None
                 continue
             except (EOFError, OSError) as e:  # a message cut off by its sender's death
-                self.died(next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0),
-                          f" ({type(e).__name__} reading its queue)")
+                self.died(
+                    next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0),
+                    f" ({type(e).__name__} reading its queue)",
+                )
             if kind == "error":
                 self.died(item[0], "", {item[0]: item[1]})
             i = item if kind == "alive" else item.get("engine", 0)
@@ -506,8 +582,11 @@ class GeneratorHandle:
             if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
                 item = as_tensors(item)
                 self.engine_stats[i] = item["gen_stats"]
-                self.stats = {k: sum(s.get(k, 0) for s in self.engine_stats) for k in item["gen_stats"]
-                              if k not in ("version", "max_step_s")}
+                self.stats = {
+                    k: sum(s.get(k, 0) for s in self.engine_stats)
+                    for k in item["gen_stats"]
+                    if k not in ("version", "max_step_s")
+                }
                 self.stats["max_step_s"] = max(s.get("max_step_s", 0.0) for s in self.engine_stats)
             return kind, item
 
@@ -531,8 +610,9 @@ class GeneratorHandle:
         if silent or not errors:
             j = i if i in silent or not silent else silent[0]
             then = f"; then {', '.join(self.name(k) for k in sorted(errors))} failed" if errors else ""
-            raise GeneratorDied(f"{self.name(j)} process died{how if j == i else ''} "
-                                f"(exit code {self.procs[j].exitcode}){then}")
+            raise GeneratorDied(
+                f"{self.name(j)} process died{how if j == i else ''} (exit code {self.procs[j].exitcode}){then}"
+            )
         k = i if i in errors else min(errors)
         raise GeneratorDied(f"{self.name(k)} process failed:\n" + errors[k])
 
@@ -545,6 +625,7 @@ class GeneratorHandle:
         """Ask each stuck engine for its Python stack (SIGUSR1, see generator_main), kill
         it, and return the report."""
         import signal
+
         reports = []
         for i in range(self.n) if engines is None else engines:
             path = stack_file(dict(self.cfg, engine=i))
@@ -559,10 +640,12 @@ class GeneratorHandle:
             with open(path) as f:
                 stack = f.read().strip() or "(no stack: the process did not answer SIGUSR1)"
             now, e = time.time(), self.last_event[i]
-            last = (f"{e['what']} under v{e['version']}, {now - e['t']:.0f}s ago" if e else "no activity reported")
-            reports.append(f"{self.name(i)} stalled: alive but {how} for {silent_s:.0f}s (last message, "
-                           f"{self.last_msg[i][1]}: {now - self.last_msg[i][0]:.0f}s ago; last activity it "
-                           f"reported: {last}); stopped it. Its Python stack ({path}):\n{stack}")
+            last = f"{e['what']} under v{e['version']}, {now - e['t']:.0f}s ago" if e else "no activity reported"
+            reports.append(
+                f"{self.name(i)} stalled: alive but {how} for {silent_s:.0f}s (last message, "
+                f"{self.last_msg[i][1]}: {now - self.last_msg[i][0]:.0f}s ago; last activity it "
+                f"reported: {last}); stopped it. Its Python stack ({path}):\n{stack}"
+            )
         self.stall_report = "\n".join(reports)
         return self.stall_report
 
@@ -591,6 +674,7 @@ class GeneratorHandle:
         never joined it (push_stalled), which breaks the broadcast, and the stall report,
         naming them, is raised. Returns the new version."""
         import threading
+
         if tensors is None:
             specs, tensors = weight_specs(specs), specs.values()
         self.settle()
@@ -602,8 +686,12 @@ class GeneratorHandle:
         watchdog.daemon = True
         watchdog.start()
         try:
-            self.pending = (*send_weights(self.group, die_test_hook(self.version, specs, tensors),
-                                          self.transfer_device, self.send_budget), watchdog)
+            self.pending = (
+                *send_weights(
+                    self.group, die_test_hook(self.version, specs, tensors), self.transfer_device, self.send_budget
+                ),
+                watchdog,
+            )
         except RuntimeError as e:
             self.push_broke(watchdog, e)
         if wait:
@@ -629,8 +717,9 @@ class GeneratorHandle:
             self.pending = None
         watchdog.cancel()
         if held != self.n * self.version:
-            raise RuntimeError(f"weight sync: the engines acknowledged versions summing to {held}, "
-                               f"not {self.n} x v{self.version}")
+            raise RuntimeError(
+                f"weight sync: the engines acknowledged versions summing to {held}, not {self.n} x v{self.version}"
+            )
         return time.time() - t0
 
     def push_broke(self, watchdog, e):

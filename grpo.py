@@ -32,7 +32,6 @@ import math
 # advantages, log-probabilities over micro-batches, the loss, the schedule, the step
 
 
-
 def advantages(rewards, group_size):
     """GRPO: each answer's reward minus its group's mean, over the group's std (+1e-4).
     rewards: (groups x group_size,) in group order -> the same shape."""
@@ -49,18 +48,26 @@ def score_batch(cfg, tokenizer, batch, version=None):
     version minus the version that wrote it, which the step's diagnostics split by."""
     import torch
     from reward import boxed_answer, reward
+
     for s in batch if version is not None else ():
         s["lag"] = version - s["versions"]
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in batch], skip_special_tokens=True)
     truncated = torch.tensor([s["finish_reason"] == "length" for s in batch])
-    rewards = torch.tensor([reward(t, s["answer"], cfg["dataset"], cfg["format_reward"], bool(cut))
-                            for t, s, cut in zip(texts, batch, truncated)])
+    rewards = torch.tensor(
+        [
+            reward(t, s["answer"], cfg["dataset"], cfg["format_reward"], bool(cut))
+            for t, s, cut in zip(texts, batch, truncated)
+        ]
+    )
     adv = advantages(rewards, cfg["group_size"])
     if cfg["truncated"] == "filter":
         adv[truncated] = 0.0
-    return adv, dict(reward_mean=rewards.mean().item(), truncated_frac=truncated.float().mean().item(),
-                     # what --format-reward pays for: a last \boxed{} that holds an answer
-                     boxed_frac=sum(boxed_answer(t, cfg["dataset"]) for t in texts) / len(batch))
+    return adv, dict(
+        reward_mean=rewards.mean().item(),
+        truncated_frac=truncated.float().mean().item(),
+        # what --format-reward pays for: a last \boxed{} that holds an answer
+        boxed_frac=sum(boxed_answer(t, cfg["dataset"]) for t in texts) / len(batch),
+    )
 
 
 def micro_batches(batch, budget):
@@ -98,28 +105,39 @@ def answer_logprobs(model, samples, temperature, device):
     whole-batch float32 logits would be ~190 GB)."""
     import torch
     from torch.utils.checkpoint import checkpoint
+
     seqs = [torch.cat([s["prompt_ids"], s["token_ids"]]).long() for s in samples]
     width = max(len(x) for x in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attn = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, x in enumerate(seqs):
-        ids[i, :len(x)], attn[i, :len(x)] = x, 1
+        ids[i, : len(x)], attn[i, : len(x)] = x, 1
     # use_cache=False: a training forward needs no KV cache (made by default, it would hold
     # every layer's keys and values for the whole micro-batch: ~1.8 GB at 16k tokens on Qwen3-0.6B).
     # The model itself is called, for the last hidden states, not its decoder: under FSDP2 the
     # root's hooks gather the weights (the lm_head's too) and reduce their gradients; logits_to_keep=1
     # makes its own logits one position
-    hidden = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False, logits_to_keep=1,
-                   output_hidden_states=True).hidden_states[-1]  # (B, W, H), after the final norm
+    hidden = model(
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        use_cache=False,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    ).hidden_states[-1]  # (B, W, H), after the final norm
     # answer token j of sample i sits at position P+j and is predicted from position P+j-1
-    rows = torch.cat([torch.arange(len(s["prompt_ids"]) - 1, len(x) - 1) + i * width
-                      for i, (s, x) in enumerate(zip(samples, seqs))])
+    rows = torch.cat(
+        [torch.arange(len(s["prompt_ids"]) - 1, len(x) - 1) + i * width for i, (s, x) in enumerate(zip(samples, seqs))]
+    )
     h = hidden.reshape(len(seqs) * width, -1)[rows.to(device)]  # (N, H)
     targets = torch.cat([s["token_ids"] for s in samples]).long().to(device)
     head = model.get_output_embeddings()
     chunk = max(1, LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk (read here: tests shrink it)
-    return torch.cat([checkpoint(chunk_logprobs, head, h[a:a + chunk], targets[a:a + chunk], temperature,
-                                 use_reentrant=False) for a in range(0, len(h), chunk)])
+    return torch.cat(
+        [
+            checkpoint(chunk_logprobs, head, h[a : a + chunk], targets[a : a + chunk], temperature, use_reentrant=False)
+            for a in range(0, len(h), chunk)
+        ]
+    )
 
 
 def activation_checkpointing(model):
@@ -153,6 +171,7 @@ def old_logprobs(cfg, model, batch, adv, device, n_micro=0):
     step's own log pi, detached, and costs nothing. Answers whose advantage is 0 are
     skipped, as train_step skips them."""
     import torch
+
     run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
     mbs = micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"])
     with torch.no_grad():
@@ -182,6 +201,7 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
     (Several ranks: every rank runs n_micro micro-batches, empty ones if it has fewer,
     since FSDP2's gathers are collective: ranks.py.)"""
     import torch
+
     run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
     loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     diag = []  # per micro-batch: (log pi - log mu, clipped or masked, stale KV, lag), detached, on `device`
@@ -195,8 +215,9 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
             logp = answer_logprobs(model, mb, cfg["temperature"], device)  # (N_mb,)
         behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)
-        old = (torch.cat([s["old_logprobs"] for s in mb]).to(device) if "old_logprobs" in mb[0]
-               else logp.detach())  # pi_old: before the batch's first step (one step per batch: this one)
+        old = (
+            torch.cat([s["old_logprobs"] for s in mb]).to(device) if "old_logprobs" in mb[0] else logp.detach()
+        )  # pi_old: before the batch's first step (one step per batch: this one)
         a = torch.cat([adv[i].expand(len(batch[i]["token_ids"])) for i in idx])
         w = torch.cat([weights[i].expand(len(batch[i]["token_ids"])) for i in idx])
         answer = torch.cat([torch.full((len(s["token_ids"]),), j) for j, s in enumerate(mb)]).to(device)
@@ -206,9 +227,14 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
         loss_sum += loss.detach()
         gap_sum += (logp.detach() - behaviour).abs().sum()
         none = [torch.zeros(len(s["token_ids"]), dtype=torch.long) for s in mb]  # a sample without provenance
-        diag.append((logp.detach() - behaviour, clipped,
-                     torch.cat([s.get("stale", z) for s, z in zip(mb, none)]).bool().to(device),
-                     torch.cat([s.get("lag", z) for s, z in zip(mb, none)]).to(device)))
+        diag.append(
+            (
+                logp.detach() - behaviour,
+                clipped,
+                torch.cat([s.get("stale", z) for s, z in zip(mb, none)]).bool().to(device),
+                torch.cat([s.get("lag", z) for s, z in zip(mb, none)]).to(device),
+            )
+        )
     run_tokens = sum(len(batch[i]["token_ids"]) for i in run)
     # syncs: these, and `run` before any work is queued
     sums = offpolicy_sums(*(torch.cat(x) for x in zip(*diag))) if diag else [0.0] * 5 * (1 + len(SPLITS))
@@ -222,6 +248,7 @@ def token_weights(cfg, batch):
     tokens 1/length each; Dr. GRPO's constant normaliser (answers x --max-new-tokens)
     weights every token alike but does not shrink a batch of short answers' gradient."""
     import torch
+
     lengths = torch.tensor([len(s["token_ids"]) for s in batch], dtype=torch.float32)
     if cfg["loss_agg"] == "token":
         return torch.full_like(lengths, 1 / max(1.0, lengths.sum().item()))
@@ -243,6 +270,7 @@ def ppo_clip(logp, old, adv, eps):
     policy has moved a token's probability past the band in the direction A pushes it,
     the token stops pulling (the clipped term is constant in pi). Returns it and where it binds."""
     import torch
+
     r = torch.exp(logp - old)
     unclipped, clipped = r * adv, r.clamp(1 - eps, 1 + eps) * adv
     return -torch.min(unclipped, clipped), clipped < unclipped
@@ -261,6 +289,7 @@ def loss_tis(cfg, logp, old, mu, adv, answer):
     detached, C = --is-cap; loss -w A log pi. A token the engine found much less likely
     than the trainer does counts at most C times."""
     import torch
+
     ratio = torch.exp(logp.detach() - mu)
     return -ratio.clamp(max=cfg["is_cap"]) * adv * logp, ratio > cfg["is_cap"]
 
@@ -269,6 +298,7 @@ def loss_ppo(cfg, logp, old, mu, adv, answer):
     """Decoupled PPO (Hilton et al., arXiv 2110.00641; AReaL, arXiv 2505.24298): PPO's clip
     against pi_old (the drift), times the uncapped weight pi_old/mu (the mismatch)."""
     import torch
+
     surrogate, clipped = ppo_clip(logp, old, adv, cfg["clip_eps"])
     return torch.exp(old - mu) * surrogate, clipped
 
@@ -301,6 +331,7 @@ def loss_cispo(cfg, logp, old, mu, adv, answer):
     no token loses its gradient. MiniMax sets no lower bound (eps_low large: here 1, the
     weight >= 0) and tunes eps_high (--cispo-eps-high) without publishing it."""
     import torch
+
     ratio = torch.exp(logp.detach() - mu)
     w = ratio.clamp(1 - cfg["cispo_eps_low"], 1 + cfg["cispo_eps_high"])
     return -w * adv * logp, w != ratio
@@ -313,18 +344,21 @@ def loss_gspo(cfg, logp, old, mu, adv, answer):
     [1 - 3e-4, 1 + 4e-4] (--gspo-eps-low/high, as published); each token's gradient is
     s A grad log pi (s_t = sg(s) pi/sg(pi))."""
     import torch
+
     s = answer_mean(logp.detach() - mu, answer).exp() * torch.exp(logp - logp.detach())
     unclipped, clipped = s * adv, s.clamp(1 - cfg["gspo_eps_low"], 1 + cfg["gspo_eps_high"]) * adv
     return -torch.min(unclipped, clipped), clipped < unclipped
 
 
-LOSSES = dict(none=loss_none, tis=loss_tis, ppo=loss_ppo, icepop=loss_icepop, geo=loss_geo, cispo=loss_cispo,
-              gspo=loss_gspo)
+LOSSES = dict(
+    none=loss_none, tis=loss_tis, ppo=loss_ppo, icepop=loss_icepop, geo=loss_geo, cispo=loss_cispo, gspo=loss_gspo
+)
 
 
 def answer_mean(x, answer):
     """x (N,) per token -> each token gets the mean of x over its answer's tokens (N,)."""
     import torch
+
     n = int(answer.max()) + 1 if len(answer) else 0
     total = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, answer, x)
     count = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, answer, torch.ones_like(x))
@@ -352,16 +386,20 @@ def optimizer_step(model, opt, loss):
     non-finite loss or gradient stops the run before the weights change or reach the
     generator."""
     import torch
+
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # over every rank's shards under FSDP2
     norm = getattr(norm, "full_tensor", lambda: norm)().item()  # a CPU-GPU sync point
     if not (math.isfinite(loss) and math.isfinite(norm)):
-        raise TrainingDiverged(f"loss {loss}, gradient norm {norm}: not finite; stopped before the optimizer "
-                               "step (lower --lr, or look at the step's behaviour_gap for broken logprobs)")
+        raise TrainingDiverged(
+            f"loss {loss}, gradient norm {norm}: not finite; stopped before the optimizer "
+            "step (lower --lr, or look at the step's behaviour_gap for broken logprobs)"
+        )
     opt.step()
     return norm
+
 
 # -----------------------------------------------------------------------------
 # what a step logs (metrics.jsonl: the run directory's contract, runlog.py)
@@ -373,25 +411,32 @@ def batch_metrics(batch, adv, version):
     over the tokens the loss saw (loss_*: answers whose advantage is not 0). `version`:
     the weights this step trains."""
     import torch
+
     versions = torch.cat([s["versions"] for s in batch])
     stale = torch.cat([s["stale"] for s in batch])
     in_loss = torch.cat([(a != 0).expand(len(s["versions"])) for s, a in zip(batch, adv)])
-    return dict(trained_tokens=len(versions), answer_len=len(versions) / len(batch),
-                stale_token_frac=stale.float().mean().item(),
-                lag_mean=(version - versions.float()).mean().item(), lag_max=(version - versions).max().item(),
-                spanning_frac=sum(int(s["versions"].min() != s["versions"].max()) for s in batch
-                                  if len(s["versions"])) / len(batch),
-                loss_tokens=int(in_loss.sum()), loss_stale_token_frac=stale[in_loss].float().mean().nan_to_num(0).item(),
-                loss_lag_mean=(version - versions[in_loss].float()).mean().nan_to_num(0).item())
+    return dict(
+        trained_tokens=len(versions),
+        answer_len=len(versions) / len(batch),
+        stale_token_frac=stale.float().mean().item(),
+        lag_mean=(version - versions.float()).mean().item(),
+        lag_max=(version - versions).max().item(),
+        spanning_frac=sum(int(s["versions"].min() != s["versions"].max()) for s in batch if len(s["versions"]))
+        / len(batch),
+        loss_tokens=int(in_loss.sum()),
+        loss_stale_token_frac=stale[in_loss].float().mean().nan_to_num(0).item(),
+        loss_lag_mean=(version - versions[in_loss].float()).mean().nan_to_num(0).item(),
+    )
 
 
 def generator_metrics(stats, prev, seconds):
     """What the generator did since the last step, from its cumulative counters."""
     prev = prev or dict.fromkeys(stats, 0)
-    return dict(gen_tok_per_s=(stats["gen_tokens"] - prev["gen_tokens"]) / seconds,
-                gen_idle_s=stats["gen_idle_s"] - prev["gen_idle_s"],
-                **{k: stats[k] - prev[k] for k in ("discarded_tokens", "recomputed_tokens",
-                                                   "preempted")})  # preempted: kept at 0 (engine.kv_capacity)
+    return dict(
+        gen_tok_per_s=(stats["gen_tokens"] - prev["gen_tokens"]) / seconds,
+        gen_idle_s=stats["gen_idle_s"] - prev["gen_idle_s"],
+        **{k: stats[k] - prev[k] for k in ("discarded_tokens", "recomputed_tokens", "preempted")},
+    )  # preempted: kept at 0 (engine.kv_capacity)
 
 
 SPLITS = ("fresh", "stale", "lag0", "lag1", "lag2")  # lag2: two versions or more
@@ -403,12 +448,18 @@ def offpolicy_sums(log_ratio, clipped, stale, lag):
     ranks and optimizer steps: for all tokens, then each of SPLITS, (tokens, sum of the
     ratio pi/mu, of its square, of k3, clipped tokens)."""
     import torch
+
     ratio = log_ratio.double().exp()
     k3 = ratio - 1 - log_ratio.double()  # Schulman's k3: an unbiased, never negative estimate of KL(mu || pi)
     masks = (torch.ones_like(stale), ~stale, stale, lag == 0, lag == 1, lag >= 2)
     only = lambda x, m: torch.where(m, x, 0.0).sum()  # on the device: no sync until .tolist()
-    return torch.stack([v.double() for m in masks for v in (m.sum(), only(ratio, m), only(ratio ** 2, m), only(k3, m),
-                                                            (clipped & m).sum())]).tolist()
+    return torch.stack(
+        [
+            v.double()
+            for m in masks
+            for v in (m.sum(), only(ratio, m), only(ratio**2, m), only(k3, m), (clipped & m).sum())
+        ]
+    ).tolist()
 
 
 def offpolicy_metrics(sums):
@@ -420,7 +471,12 @@ def offpolicy_metrics(sums):
     split has no token."""
     out = {}
     for j, name in enumerate(("",) + tuple("_" + s for s in SPLITS)):
-        n, w, w2, k3, clipped = sums[5 * j:5 * j + 5]
-        out.update({f"ess{name}": w * w / (n * w2) if n else None, f"clipped_frac{name}": clipped / n if n else None,
-                    f"kl{name}": k3 / n if n else None})
+        n, w, w2, k3, clipped = sums[5 * j : 5 * j + 5]
+        out.update(
+            {
+                f"ess{name}": w * w / (n * w2) if n else None,
+                f"clipped_frac{name}": clipped / n if n else None,
+                f"kl{name}": k3 / n if n else None,
+            }
+        )
     return out

@@ -51,8 +51,19 @@ os.environ.update(vllm_env())
 import config
 from data import UsageError, load_splits, prompt_ids
 from reward import scored
-from grpo import (batch_metrics, generator_metrics, lr_at, minibatches, offpolicy_metrics, old_logprobs,
-                  optimizer_step, run_tokens, score_batch, token_weights, train_step)
+from grpo import (
+    batch_metrics,
+    generator_metrics,
+    lr_at,
+    minibatches,
+    offpolicy_metrics,
+    old_logprobs,
+    optimizer_step,
+    run_tokens,
+    score_batch,
+    token_weights,
+    train_step,
+)
 from pace import Pool, pool_stats
 from preflight import check_budget, check_model
 from regimes import make_regime
@@ -75,14 +86,17 @@ class SimClock:
 
 
 def parse_config(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=config.Help)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=config.Help)
     config.add_flags(p, "lesson")  # train.py's flags, defaults and presets, where they apply
     # the defaults: tools/clock_costs.py on a train.py run (docstring); yours: run it on one of your runs
     p.add_argument("--step-s", type=float, default=0.0183, help="simulated seconds per engine step")
     p.add_argument("--prefill-s", type=float, default=5.3e-5, help="... plus this per token whose KV it prefills")
-    p.add_argument("--train-s", type=float, default=1.16e-4,
-                   help="simulated seconds per token a trainer step runs through the model (grpo.run_tokens)")
+    p.add_argument(
+        "--train-s",
+        type=float,
+        default=1.16e-4,
+        help="simulated seconds per token a trainer step runs through the model (grpo.run_tokens)",
+    )
     p.add_argument("--load-s", type=float, default=0.040, help="simulated seconds per weight load")
     cfg = config.fill(vars(p.parse_args(argv)), "lesson")  # and what follows from them (sync: --max-lag 0)
     for k in ("step_s", "prefill_s", "train_s", "load_s"):
@@ -124,9 +138,15 @@ def train_on(cfg, model, opt, tokenizer, step, batch, version):
         total = [a + b for a, b in zip(total, out)] if total else list(out)
     loss, gap, gap_tokens, *sums, grad_norm = total
     cost = sum(run_tokens(cfg, [batch[i] for i in idx], adv[idx]) for idx in parts)
-    return dict(**scores, loss=loss / len(parts), grad_norm=grad_norm / len(parts),
-                behaviour_gap=gap / max(1, gap_tokens), **offpolicy_metrics(sums), **batch_metrics(batch, adv, version),
-                run_tokens=cost + (run_tokens(cfg, batch, adv) / 3 if len(parts) > 1 else 0))
+    return dict(
+        **scores,
+        loss=loss / len(parts),
+        grad_norm=grad_norm / len(parts),
+        behaviour_gap=gap / max(1, gap_tokens),
+        **offpolicy_metrics(sums),
+        **batch_metrics(batch, adv, version),
+        run_tokens=cost + (run_tokens(cfg, batch, adv) / 3 if len(parts) > 1 else 0),
+    )
 
 
 def main(argv=None, engine=None):
@@ -137,6 +157,7 @@ def main(argv=None, engine=None):
     check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"], cfg["max_model_len"])
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     regime = make_regime(cfg["regime"])
     fresh_run_dir(cfg["out"])
     with open(os.path.join(cfg["out"], "config.json"), "w") as f:
@@ -158,7 +179,9 @@ def main(argv=None, engine=None):
     def evaluate(step, version):
         """Greedy pass@1 of the generator's weights on the test problems, each answer kept in
         eval_answers.jsonl (reward.scored); the engine's steps cost clock time."""
-        return scored(gen.evaluate(eval_ids, cfg["max_new_tokens"]), tokenizer, test, cfg["dataset"], log, step, version)
+        return scored(
+            gen.evaluate(eval_ids, cfg["max_new_tokens"]), tokenizer, test, cfg["dataset"], log, step, version
+        )
 
     log.trainer("waiting")
     if cfg["eval_every"]:
@@ -183,8 +206,13 @@ def main(argv=None, engine=None):
             log.answers(groups, rejected, step)
             log.trainer("training")
             batch = [s for g in groups for s in g]
-            m = dict(step=step, version=version, **train_on(cfg, model, opt, tokenizer, step, batch, version),
-                     **pool_stats(groups, rejected, pool.complete, version), trainer_wait_s=start - free_at)
+            m = dict(
+                step=step,
+                version=version,
+                **train_on(cfg, model, opt, tokenizer, step, batch, version),
+                **pool_stats(groups, rejected, pool.complete, version),
+                trainer_wait_s=start - free_at,
+            )
             push = (version + 1, start + cfg["train_s"] * m["run_tokens"])
 
         # 3. the push: once the weights are ready, the regime decides, between two engine steps,
@@ -225,6 +253,7 @@ def main(argv=None, engine=None):
     write_ledger(cfg, gen.stats)
     if not cfg["no_plot"]:
         from plot import plot_run
+
         print("plot:", plot_run(cfg["out"]))
 
 

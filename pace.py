@@ -46,6 +46,7 @@ What is ours, not the abstract's:
 Note: waiting staleness shifts every group by the same `version`, so the ranking
 itself does not depend on `version`; it matters for the logged values.
 """
+
 import math
 
 
@@ -167,8 +168,10 @@ def pool_stats(consumed, rejected, pool, version):
     at trainer `version` (the version the step trains, before its push)."""
     samples = [s for g in consumed for s in g]
     k = max(1, len(samples))
-    return dict(rejected_groups=len(rejected),
-                rejected_tokens=sum(len(s["token_ids"]) for g in rejected for s in g),
-                pool_size=len(pool),
-                gen_staleness_mean=sum(generation_staleness(s) for s in samples) / k,
-                wait_staleness_mean=sum(waiting_staleness(s, version) for s in samples) / k)
+    return dict(
+        rejected_groups=len(rejected),
+        rejected_tokens=sum(len(s["token_ids"]) for g in rejected for s in g),
+        pool_size=len(pool),
+        gen_staleness_mean=sum(generation_staleness(s) for s in samples) / k,
+        wait_staleness_mean=sum(waiting_staleness(s, version) for s in samples) / k,
+    )

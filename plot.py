@@ -39,9 +39,20 @@ import os
 
 from runlog import activity_spans, per_token, read_jsonl  # the run directory's files, read back
 
-COLOURS = {"starting": "white", "generating": "tab:green", "draining": "tab:orange", "loading": "tab:red", "idle": "lightgrey",
-           "evaluating": "tab:purple", "training": "tab:blue", "syncing": "tab:red", "waiting": "lightgrey",
-           "saving": "tab:brown", "done": "white", "stopped": "white"}  # stopped: a crash until --resume
+COLOURS = {
+    "starting": "white",
+    "generating": "tab:green",
+    "draining": "tab:orange",
+    "loading": "tab:red",
+    "idle": "lightgrey",
+    "evaluating": "tab:purple",
+    "training": "tab:blue",
+    "syncing": "tab:red",
+    "waiting": "lightgrey",
+    "saving": "tab:brown",
+    "done": "white",
+    "stopped": "white",
+}  # stopped: a crash until --resume
 # one colour per weight version (cycled): tokens of v and v+1 must differ at a glance,
 # and from the process colours above
 VERSION_COLOURS = ["#E6A700", "#9E6BC8", "#2AA198", "#F06EAA", "#B5B528", "#56B4E9"]
@@ -50,8 +61,10 @@ VERSION_COLOURS = ["#E6A700", "#9E6BC8", "#2AA198", "#F06EAA", "#B5B528", "#56B4
 def plot_run(run):
     """reward + eval accuracy vs wall-clock on top, the process timeline below -> run/run.png"""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     metrics = read_jsonl(os.path.join(run, "metrics.jsonl"))
     events = read_jsonl(os.path.join(run, "events.jsonl"))
     t0 = min([e["t"] for e in events] or [0])
@@ -61,11 +74,20 @@ def plot_run(run):
     ax.plot([m["wall_s"] for m in steps], [m["reward_mean"] for m in steps], label="reward (train batch)")
     with open(os.path.join(run, "config.json")) as f:
         if json.load(f).get("format_reward"):  # what the format reward asks for
-            ax.plot([m["wall_s"] for m in steps], [m["boxed_frac"] for m in steps], ":",
-                    label="answers with a \\boxed{} (train batch)")
+            ax.plot(
+                [m["wall_s"] for m in steps],
+                [m["boxed_frac"] for m in steps],
+                ":",
+                label="answers with a \\boxed{} (train batch)",
+            )
     if any("truncated_frac" in m for m in steps):  # answers that never finished (they earn 0)
-        ax.plot([m["wall_s"] for m in steps], [m.get("truncated_frac", 0) for m in steps], "--", color="grey",
-                label="answers cut at --max-new-tokens (train batch)")
+        ax.plot(
+            [m["wall_s"] for m in steps],
+            [m.get("truncated_frac", 0) for m in steps],
+            "--",
+            color="grey",
+            label="answers cut at --max-new-tokens (train batch)",
+        )
     evals = [m for m in metrics if "eval_acc" in m]
     ax.plot([m["wall_s"] for m in evals], [m["eval_acc"] for m in evals], "o-", label="eval pass@1")
     ax.set_ylabel("reward / accuracy / share")
@@ -73,8 +95,14 @@ def plot_run(run):
     ax.legend()
     draw_processes(tl, events, t0)
     tl.set_xlabel("wall-clock (s)")
-    tl.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()], labels=list(COLOURS),
-              ncol=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    tl.legend(
+        handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()],
+        labels=list(COLOURS),
+        ncol=5,
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.45),
+    )
     ax.set_xlim(tl.get_xlim())
     fig.tight_layout()
     path = os.path.join(run, "run.png")
@@ -90,6 +118,7 @@ def draw_processes(ax, events, x0):
     for proc, what, t0, t1 in activity_spans(events):
         ax.barh(procs.index(proc), t1 - t0, left=t0 - x0, color=COLOURS.get(what, "black"), height=0.8)
     ax.set_yticks(range(len(procs)), procs)
+
 
 # -----------------------------------------------------------------------------
 # the answers figure
@@ -128,6 +157,7 @@ def select_answers(run, window=None, lanes=24, engine=None):
 
         def across(e):  # half-written when the weights were sent
             return [a for a in answers if a["admitted"] < push(e) < a["finished"]]
+
         switch = next((e for e in later if across(e)), later[0])
         i = loads.index(switch)
         lo = loads[i - 1]["t0"] if i > 0 else start
@@ -142,8 +172,17 @@ def select_answers(run, window=None, lanes=24, engine=None):
         lo = min(lo, min(a["admitted"] for a in chosen))
         hi = max(hi, max(a["t"] for a in chosen))
     pad = 0.02 * (hi - lo)
-    return dict(answers=chosen, alive=alive, switch=switch, x0=x0, xlim=(lo - pad - x0, hi + pad - x0), loads=loads,
-                events=events, regime=regime, run=run)
+    return dict(
+        answers=chosen,
+        alive=alive,
+        switch=switch,
+        x0=x0,
+        xlim=(lo - pad - x0, hi + pad - x0),
+        loads=loads,
+        events=events,
+        regime=regime,
+        run=run,
+    )
 
 
 def draw_answers(ax, pax, sel):
@@ -157,8 +196,18 @@ def draw_answers(ax, pax, sel):
         def bars(segments, **kw):
             for t0, t1, v, _, stale in segments:
                 versions.add(v)
-                ax.barh(y, t1 - t0, left=t0 - x0, height=0.7, color=VERSION_COLOURS[v % len(VERSION_COLOURS)],
-                        hatch="////" if stale else None, edgecolor="black", linewidth=0, **kw)
+                ax.barh(
+                    y,
+                    t1 - t0,
+                    left=t0 - x0,
+                    height=0.7,
+                    color=VERSION_COLOURS[v % len(VERSION_COLOURS)],
+                    hatch="////" if stale else None,
+                    edgecolor="black",
+                    linewidth=0,
+                    **kw,
+                )
+
         ax.plot([a["admitted"] - x0, a["finished"] - x0], [y, y], color="lightgrey", lw=1, zorder=0)
         for _, _, segments in a["discarded"]:
             bars(segments, alpha=0.35)
@@ -168,8 +217,13 @@ def draw_answers(ax, pax, sel):
                 ax.barh(y, t1 - t0, left=t0 - x0, height=0.9, color="black")
         bars(a["segments"])
         ax.plot([a["finished"] - x0, a["t"] - x0], [y, y], ":", color="black", lw=1)
-        ax.plot([a["t"] - x0], [y], "|" if a["fate"] == "consumed" else "X", ms=7,
-                color="black" if a["fate"] == "consumed" else "red")
+        ax.plot(
+            [a["t"] - x0],
+            [y],
+            "|" if a["fate"] == "consumed" else "X",
+            ms=7,
+            color="black" if a["fate"] == "consumed" else "red",
+        )
     for ax_ in (ax, pax):
         for e in sel["loads"]:
             ax_.axvspan(e["t0"] - x0, e["t1"] - x0, color="red", alpha=0.25, lw=0)
@@ -192,18 +246,27 @@ def legend_handles(versions):
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
-    h = [Patch(color=VERSION_COLOURS[v % len(VERSION_COLOURS)], label=f"token sampled by weights v{v}")
-         for v in sorted(versions)]
-    h += [Patch(facecolor="white", edgecolor="black", hatch="////", label="token read KV written by older weights (stale)"),
-          Patch(facecolor="grey", alpha=0.35, label="tokens thrown away, answer restarted (discard; x = abort)"),
-          Patch(color="black", label="KV of prompt + partial answer rebuilt (recompute)"),
-          Line2D([], [], color="lightgrey", label="alive, no token being written (queued, paused)"),
-          Line2D([], [], ls=":", color="black", marker="|", label="finished, waiting in the pool | consumed by a step"),
-          Line2D([], [], ls="", color="red", marker="X", label="rejected by the pool (PACE)"),
-          Patch(color="red", alpha=0.25, label="generator loading new weights"),
-          Line2D([], [], ls="--", color="black", label="the push shown: the trainer sends new weights")]
-    h += [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k], label=f"process: {k}")
-          for k in ("generating", "draining", "idle", "training", "syncing", "evaluating")]
+
+    h = [
+        Patch(color=VERSION_COLOURS[v % len(VERSION_COLOURS)], label=f"token sampled by weights v{v}")
+        for v in sorted(versions)
+    ]
+    h += [
+        Patch(
+            facecolor="white", edgecolor="black", hatch="////", label="token read KV written by older weights (stale)"
+        ),
+        Patch(facecolor="grey", alpha=0.35, label="tokens thrown away, answer restarted (discard; x = abort)"),
+        Patch(color="black", label="KV of prompt + partial answer rebuilt (recompute)"),
+        Line2D([], [], color="lightgrey", label="alive, no token being written (queued, paused)"),
+        Line2D([], [], ls=":", color="black", marker="|", label="finished, waiting in the pool | consumed by a step"),
+        Line2D([], [], ls="", color="red", marker="X", label="rejected by the pool (PACE)"),
+        Patch(color="red", alpha=0.25, label="generator loading new weights"),
+        Line2D([], [], ls="--", color="black", label="the push shown: the trainer sends new weights"),
+    ]
+    h += [
+        plt.Rectangle((0, 0), 1, 1, color=COLOURS[k], label=f"process: {k}")
+        for k in ("generating", "draining", "idle", "training", "syncing", "evaluating")
+    ]
     return h
 
 
@@ -232,30 +295,46 @@ def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
     """The answers figure of one run, or one panel per run sharing the time scale.
     Returns (path, selections): what each panel shows, for tests and captions."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     sels = [select_answers(r, window, lanes, engine) for r in runs]
     n = len(sels)
     ratios = [r for s in sels for r in (max(4, len(s["answers"])), 2.2)]
-    fig, axes = plt.subplots(2 * n, 1, figsize=(12, 0.2 * sum(ratios) + 2.2), sharex=True,
-                             gridspec_kw=dict(height_ratios=ratios, hspace=0.4))
+    fig, axes = plt.subplots(
+        2 * n, 1, figsize=(12, 0.2 * sum(ratios) + 2.2), sharex=True, gridspec_kw=dict(height_ratios=ratios, hspace=0.4)
+    )
     versions = set()
     for i, s in enumerate(sels):
         ax, pax = axes[2 * i], axes[2 * i + 1]
         versions |= draw_answers(ax, pax, s)
         name = os.path.basename(os.path.normpath(s["run"]))
-        what = (f"{s['alive']} answer{'s' * (s['alive'] != 1)} half-written when v{s['switch']['version']} was sent"
-                if s["switch"]
-                else f"answers alive in {window[0]:g}-{window[1]:g} s")
+        what = (
+            f"{s['alive']} answer{'s' * (s['alive'] != 1)} half-written when v{s['switch']['version']} was sent"
+            if s["switch"]
+            else f"answers alive in {window[0]:g}-{window[1]:g} s"
+        )
         paid = cost(s["run"], s["regime"])
-        ax.set_title(f"{s['regime']}" + (f" ({paid})" if paid else "") + f": {what}   ({name})", fontsize=10, loc="left")
+        ax.set_title(
+            f"{s['regime']}" + (f" ({paid})" if paid else "") + f": {what}   ({name})", fontsize=10, loc="left"
+        )
     lo = min(s["xlim"][0] for s in sels)
     hi = max(s["xlim"][1] for s in sels)
     axes[-1].set_xlim(lo, hi)
-    axes[-1].set_xlabel("seconds from the start of the run" if window else
-                        "seconds from the push shown (0 = the trainer sends new weights)")
-    fig.legend(handles=legend_handles(versions), loc="lower center", ncol=3, fontsize=8, frameon=False,
-               bbox_to_anchor=(0.5, 0.0))
+    axes[-1].set_xlabel(
+        "seconds from the start of the run"
+        if window
+        else "seconds from the push shown (0 = the trainer sends new weights)"
+    )
+    fig.legend(
+        handles=legend_handles(versions),
+        loc="lower center",
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.0),
+    )
     fig.subplots_adjust(left=0.08, right=0.98, top=1 - 0.5 / fig.get_figheight(), bottom=1.9 / fig.get_figheight())
     path = out or os.path.join(runs[0], "answers.png" if n == 1 else "answers_compare.png")
     fig.savefig(path, dpi=80)
@@ -266,18 +345,31 @@ def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
 def plot_curves(groups, out, title=""):
     """groups: {label: [run directories, one per seed]} -> the curves figure at `out` (see the docstring)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    panels = [("eval_acc", "step", "eval pass@1"), ("eval_acc", "wall_s", "eval pass@1"),
-              ("reward_mean", "step", "reward (train batch)"), ("ess", "step", "ESS of pi/mu (1: on-policy)"),
-              ("clipped_frac", "step", "share of tokens clipped or masked"), ("kl", "step", "KL(mu || pi), nats/token")]
+    panels = [
+        ("eval_acc", "step", "eval pass@1"),
+        ("eval_acc", "wall_s", "eval pass@1"),
+        ("reward_mean", "step", "reward (train batch)"),
+        ("ess", "step", "ESS of pi/mu (1: on-policy)"),
+        ("clipped_frac", "step", "share of tokens clipped or masked"),
+        ("kl", "step", "KL(mu || pi), nats/token"),
+    ]
     for i, (label, runs) in enumerate(groups.items()):
         metrics = [read_jsonl(os.path.join(r, "metrics.jsonl")) for r in runs]
         for ax, (key, x, name) in zip(axes.flat, panels):
-            rows = [[m for m in ms if m.get(key) is not None and (key != "eval_acc" or "trained_tokens" in m
-                                                                  or m["step"] == 0)] for ms in metrics]
+            rows = [
+                [
+                    m
+                    for m in ms
+                    if m.get(key) is not None and (key != "eval_acc" or "trained_tokens" in m or m["step"] == 0)
+                ]
+                for ms in metrics
+            ]
             n = min(len(r) for r in rows)
             if not n:
                 continue
@@ -299,6 +391,7 @@ def plot_curves(groups, out, title=""):
 def seed_groups(runs):
     """Run directories grouped by name less a trailing -s<seed>: {label: [runs]}, in the order given."""
     import re
+
     groups = {}
     for run in runs:
         groups.setdefault(re.sub(r"-s\d+$", "", os.path.basename(os.path.normpath(run))), []).append(run)
@@ -306,16 +399,24 @@ def seed_groups(runs):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("runs", nargs="+", help="run directories (out/<run>)")
     p.add_argument("--answers", action="store_true", help="the answers figure (one panel per run) instead of run.png")
     p.add_argument("--curves", action="store_true", help="learning curves and off-policy diagnostics, seeds pooled")
-    p.add_argument("--window", nargs=2, type=float, metavar=("T0", "T1"),
-                   help="answers alive between T0 and T1 s from the run's start (default: around a weight switch)")
+    p.add_argument(
+        "--window",
+        nargs=2,
+        type=float,
+        metavar=("T0", "T1"),
+        help="answers alive between T0 and T1 s from the run's start (default: around a weight switch)",
+    )
     p.add_argument("--lanes", type=int, default=24, help="at most this many answers per panel")
     p.add_argument("--engine", type=int, default=None, help="--engines N runs: one engine's answers (default: all)")
-    p.add_argument("--out", default=None, help="PNG path (default: RUN/answers.png, or the first RUN's answers_compare.png)")
+    p.add_argument(
+        "--out", default=None, help="PNG path (default: RUN/answers.png, or the first RUN's answers_compare.png)"
+    )
     args = p.parse_args()
     if args.curves:
         print(plot_curves(seed_groups(args.runs), args.out or os.path.join(args.runs[0], "curves.png")))

@@ -34,10 +34,14 @@ def check_model(name):
         raise UsageError(f"--model {name}: neither a directory nor a Hub id (org/name)")
     if not hub_reachable():
         from huggingface_hub import try_to_load_from_cache
+
         if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-            raise UsageError(f"--model {name}: no such directory, and the Hub is unreachable with no cached copy "
-                             "of that id: pass a local directory")
+            raise UsageError(
+                f"--model {name}: no such directory, and the Hub is unreachable with no cached copy "
+                "of that id: pass a local directory"
+            )
         import huggingface_hub.constants  # cached: load it without five retries per file, here and
+
         os.environ["HF_HUB_OFFLINE"] = "1"  # in the generator (which inherits the environment)
         huggingface_hub.constants.HF_HUB_OFFLINE = True  # read at import: already imported here
 
@@ -48,6 +52,7 @@ def check_budget(path, dataset, problems, max_new_tokens, max_model_len, name=No
     refuse in the generator after its start. Needs the tokenizer, not the model;
     costs one batched tokenization of every prompt (~1 s for GSM8K's 7.5k)."""
     from transformers import AutoConfig, AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
@@ -59,9 +64,11 @@ def check_budget(path, dataset, problems, max_new_tokens, max_model_len, name=No
     if positions and max_model_len > positions:
         raise UsageError(f"--max-model-len {max_model_len} exceeds the model's {positions} positions")
     if longest + max_new_tokens > max_model_len:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit --max-model-len {max_model_len} after the "
-                         f"longest prompt ({longest} tokens): lower it to {max_model_len - longest} or raise "
-                         f"--max-model-len to {longest + max_new_tokens}")
+        raise UsageError(
+            f"--max-new-tokens {max_new_tokens} does not fit --max-model-len {max_model_len} after the "
+            f"longest prompt ({longest} tokens): lower it to {max_model_len - longest} or raise "
+            f"--max-model-len to {longest + max_new_tokens}"
+        )
 
 
 def memory_plan(cfg, config, logit_chunk_bytes, world=1):
@@ -78,6 +85,7 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     their gradients)."""
     import torch
     from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
@@ -97,9 +105,12 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     # the push (generator.send_weights): the tensors sent, in the generator's dtype, held until they have
     # gone out (at most PUSH_SEND_BYTES); on CPU with one rank they are the parameters themselves
     pushed = min(PUSH_SEND_BYTES, 2 * n_params if on_gpu else 4 * n_params if world > 1 else 0)
-    return {**plan, "the push's copy": pushed,
-            f"activations ({cfg['micro_batch_tokens']} tokens)": per_token * cfg["micro_batch_tokens"],
-            "logit chunks": 5 * min(logit_chunk_bytes, 4 * config.vocab_size * cfg["micro_batch_tokens"])}
+    return {
+        **plan,
+        "the push's copy": pushed,
+        f"activations ({cfg['micro_batch_tokens']} tokens)": per_token * cfg["micro_batch_tokens"],
+        "logit chunks": 5 * min(logit_chunk_bytes, 4 * config.vocab_size * cfg["micro_batch_tokens"]),
+    }
 
 
 def head_size(config):
@@ -145,26 +156,38 @@ def check_memory_plan(cfg, logit_chunk_bytes, world=1):
     stop before loading anything when either cannot fit."""
     import torch
     from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(cfg["model_path"])
     plan = memory_plan(cfg, config, logit_chunk_bytes, world)
     need = sum(plan.values())
-    print("trainer memory plan: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
-          + f" -> {need / 2**30:.1f} GiB", flush=True)
+    print(
+        "trainer memory plan: "
+        + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
+        + f" -> {need / 2**30:.1f} GiB",
+        flush=True,
+    )
     on_gpu = cfg["gen_devices"][0].startswith("cuda")
     push = engine_plan(config, 2 if on_gpu else 4, on_cpu=not on_gpu)
-    print(f"generator memory plan, per engine: vLLM's share of its GPU ({cfg['gen_memory_utilization']}) + a push's "
-          f"buffers outside it, {push / 2**30:.2f} GiB", flush=True)
+    print(
+        f"generator memory plan, per engine: vLLM's share of its GPU ({cfg['gen_memory_utilization']}) + a push's "
+        f"buffers outside it, {push / 2**30:.2f} GiB",
+        flush=True,
+    )
     for device in sorted({d for d in cfg["gen_devices"] if d.startswith("cuda")} - {cfg["trainer_device"]}):
         left = (1 - cfg["gen_memory_utilization"]) * torch.cuda.get_device_properties(device).total_memory - 2**30
         if push > left:  # 1 GiB kept for the CUDA context and NCCL's buffers
-            sys.exit(f"train.py: a weight push needs ~{push / 2**30:.1f} GiB on {device} outside vLLM's share, and "
-                     f"{max(0, left) / 2**30:.1f} GiB are left: lower --gpu-memory-utilization "
-                     f"(now {cfg['gen_memory_utilization']})")
+            sys.exit(
+                f"train.py: a weight push needs ~{push / 2**30:.1f} GiB on {device} outside vLLM's share, and "
+                f"{max(0, left) / 2**30:.1f} GiB are left: lower --gpu-memory-utilization "
+                f"(now {cfg['gen_memory_utilization']})"
+            )
     if cfg["trainer_device"].startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(cfg["trainer_device"])
         if need > 0.9 * free:  # 10% for the CUDA context and the allocator's fragmentation
-            sys.exit(f"train.py: the trainer needs ~{need / 2**30:.1f} GiB and {cfg['trainer_device']} has "
-                     f"{free / 2**30:.1f} GiB free: lower --micro-batch-tokens (now {cfg['micro_batch_tokens']})")
+            sys.exit(
+                f"train.py: the trainer needs ~{need / 2**30:.1f} GiB and {cfg['trainer_device']} has "
+                f"{free / 2**30:.1f} GiB free: lower --micro-batch-tokens (now {cfg['micro_batch_tokens']})"
+            )
 
 
 def check_kv_plan(cfg, info):
@@ -172,9 +195,13 @@ def check_kv_plan(cfg, info):
     capped at what it holds (engine.kv_capacity), so vLLM never preempts; a cache that
     cannot hold one group stops the run (returns the message)."""
     batch = cfg["prompts_per_step"] * cfg["group_size"]
-    print(f"vLLM KV cache: {info['kv_tokens']} tokens = {info['kv_answers']} answers of --max-model-len "
-          f"{cfg['max_model_len']}; at most {info['admit_at_once']} in the engine at once (a step trains {batch})",
-          flush=True)
+    print(
+        f"vLLM KV cache: {info['kv_tokens']} tokens = {info['kv_answers']} answers of --max-model-len "
+        f"{cfg['max_model_len']}; at most {info['admit_at_once']} in the engine at once (a step trains {batch})",
+        flush=True,
+    )
     if info["admit_at_once"] < cfg["group_size"]:
-        return (f"train.py: vLLM's KV cache holds {info['kv_answers']} answers of {cfg['max_model_len']} tokens, "
-                f"fewer than one group ({cfg['group_size']}): raise --gpu-memory-utilization or lower --max-model-len")
+        return (
+            f"train.py: vLLM's KV cache holds {info['kv_answers']} answers of {cfg['max_model_len']} tokens, "
+            f"fewer than one group ({cfg['group_size']}): raise --gpu-memory-utilization or lower --max-model-len"
+        )

@@ -53,6 +53,7 @@ def watch_launcher():
         while os.getppid() == parent:
             time.sleep(1)
         os._exit(1)
+
     threading.Thread(target=watch, daemon=True, name="watch-torchrun").start()
 
 
@@ -77,9 +78,13 @@ class Ranks:
             return
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
+
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(hours=2),
-                                device_id=__import__("torch").device(device) if backend == "nccl" else None)
+        dist.init_process_group(
+            backend,
+            timeout=timedelta(hours=2),
+            device_id=__import__("torch").device(device) if backend == "nccl" else None,
+        )
         # the mesh's device type passed explicitly: the default picks CUDA whenever one is
         # visible, and gloo then fails (pytorch issue 132471)
         self.mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (self.world,))
@@ -91,6 +96,7 @@ class Ranks:
         if self.world == 1:
             return model
         from torch.distributed.fsdp import FSDPModule, fully_shard
+
         for layer in model.get_decoder().layers:
             fully_shard(layer, mesh=self.mesh)
         fully_shard(model, mesh=self.mesh)
@@ -106,6 +112,7 @@ class Ranks:
         if self.world == 1:
             return obj
         import torch.distributed as dist
+
         out = [obj]
         dist.broadcast_object_list(out, src=0, group=self.objects)
         return out[0]
@@ -118,6 +125,7 @@ class Ranks:
         if self.world == 1:
             return batch, adv, weights, 0
         import torch.distributed as dist
+
         parts = None
         if self.is_main:
             shares, tokens = [[] for _ in range(self.world)], [0] * self.world
@@ -137,6 +145,7 @@ class Ranks:
             return values
         import torch
         import torch.distributed as dist
+
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, group=self.objects)
         return tuple(t.tolist())
@@ -153,6 +162,7 @@ class Ranks:
                 if hasattr(t, "full_tensor"):  # a DTensor: all-gather, complete when it returns
                     t = t.full_tensor()
                 yield t.detach().to(dtype)
+
         return weight_specs(state, dtype), tensors()
 
     def full_state_dict(self, model):
@@ -160,6 +170,7 @@ class Ranks:
         if self.world == 1:
             return model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save_optimizer(self, model, opt, path):
@@ -169,20 +180,25 @@ class Ranks:
             return
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=os.path.join(path, "optimizer"))
 
     def load_optimizer(self, model, opt, state, path):
         """--resume: the optimizer state that save_optimizer (or, one rank, rundir) wrote."""
         from data import UsageError
+
         saved = state.get("world", 1)
         if (saved == 1) != (self.world == 1):
-            raise UsageError(f"--resume: the checkpoint was saved by {saved} trainer rank(s); resume with "
-                             + ("plain python train.py" if saved == 1 else "torchrun and more than one rank"))
+            raise UsageError(
+                f"--resume: the checkpoint was saved by {saved} trainer rank(s); resume with "
+                + ("plain python train.py" if saved == 1 else "torchrun and more than one rank")
+            )
         if self.world == 1:
             opt.load_state_dict(state["opt"])
             return
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
         loaded = {"optimizer": get_optimizer_state_dict(model, opt)}
         dcp.load(loaded, checkpoint_id=os.path.join(path, "optimizer"))
         set_optimizer_state_dict(model, opt, loaded["optimizer"])
@@ -190,9 +206,11 @@ class Ranks:
     def barrier(self):
         if self.world > 1:
             import torch.distributed as dist
+
             dist.barrier(group=self.objects)
 
     def stop(self):
         if self.world > 1:
             import torch.distributed as dist
+
             dist.destroy_process_group()

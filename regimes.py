@@ -17,14 +17,15 @@ Per-token bookkeeping (engine.Rollout.record) follows from these calls: a token
 carries the version loaded when it was sampled, and is flagged stale when its
 request's oldest KV was written by an older version than that.
 
-| regime    | in-flight answers at the switch             | off-policy afterwards         | cost                     |
-|-----------|---------------------------------------------|-------------------------------|--------------------------|
-| sync      | none (one batch per version)                | nothing                       | generator idles in training |
-| drain     | finish under v, then load                   | each answer from one version  | idle slots while draining |
-| discard   | aborted, tokens and KV thrown away          | nothing spans versions        | discarded tokens         |
-| stale     | continue: v+1 reads KV written by v         | tokens after the switch stale | nothing                  |
-| recompute | KV of prompt + partial rebuilt under v+1    | prefix tokens from v          | recomputed (prefill) tokens |
+| regime    | in-flight answers at the switch          | off-policy afterwards         | cost                        |
+|-----------|------------------------------------------|-------------------------------|-----------------------------|
+| sync      | none (one batch per version)             | nothing                       | generator idles in training |
+| drain     | finish under v, then load                | each answer from one version  | idle slots while draining   |
+| discard   | aborted, tokens and KV thrown away       | nothing spans versions        | discarded tokens            |
+| stale     | continue: v+1 reads KV written by v      | tokens after the switch stale | nothing                     |
+| recompute | KV of prompt + partial rebuilt under v+1 | prefix tokens from v          | recomputed (prefill) tokens |
 """
+
 
 class Sync:
     """Classic GRPO. Generate one batch with v, hand it over, wait, load v+1.

@@ -69,8 +69,14 @@ def too_big(exprs):
     # verify() has sympy compute numbers exactly: 10^{10^{10}} or 10^8! is one endless C-level bigint op
     # that no timeout can interrupt, so allow only literal exponents / factorials <= 1000, not nested
     for n in (n for e in exprs if isinstance(e, sympy.Basic) for n in sympy.preorder_traversal(e)):
-        if isinstance(n, (sympy.Sum, sympy.Product)) or grows(n) and (
-                not (n.args[-1].is_Number and abs(n.args[-1]) <= 1000) or any(map(grows, sympy.preorder_traversal(n.args[0])))):
+        if (
+            isinstance(n, (sympy.Sum, sympy.Product))
+            or grows(n)
+            and (
+                not (n.args[-1].is_Number and abs(n.args[-1]) <= 1000)
+                or any(map(grows, sympy.preorder_traversal(n.args[0])))
+            )
+        ):
             return True
     return False
 
@@ -88,11 +94,13 @@ def run_with_timeout(fn, seconds):
     # signal.alarm does, in any thread), a few times as math-verify catches it per step. a worker stuck
     # in a single C call is abandoned: the caller gets 0.0 either way. any error inside is a 0.0 too.
     out = []
+
     def work():
         try:
             out.append(fn())
         except (Exception, TimeoutException):
             pass
+
     t = threading.Thread(target=work, daemon=True)
     t.start()
     t.join(seconds)

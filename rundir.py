@@ -49,9 +49,16 @@ def resume_config(run, steps, defaults):
     cfg.setdefault("schedule_steps", cfg["steps"])  # the lr schedule's length, as first planned
     # out: the directory as given now, wherever the run was started from; the rest: where its checkpoint
     # left it (the weights, their version, the data position, the groups done after it, the generator's counters)
-    cfg.update(resume=run, out=run, steps=steps or cfg["steps"], model_path=os.path.join(run, "ckpt"),
-               start_version=state.get("version", 0), start_group=state.get("data_position", 0),
-               skip_groups=state.get("done_groups", []), start_stats=state.get("gen_stats", {}))
+    cfg.update(
+        resume=run,
+        out=run,
+        steps=steps or cfg["steps"],
+        model_path=os.path.join(run, "ckpt"),
+        start_version=state.get("version", 0),
+        start_group=state.get("data_position", 0),
+        skip_groups=state.get("done_groups", []),
+        start_stats=state.get("gen_stats", {}),
+    )
     return cfg
 
 
@@ -67,6 +74,7 @@ def save_checkpoint(cfg, model, tokenizer, opt, ranks, progress):
     to this moment (cut_logs). Several trainer ranks (ranks.py) all call it: the
     weights are gathered for rank 0 to write, each rank writes its optimizer shards."""
     import torch
+
     path = os.path.join(cfg["out"], "ckpt")
     tmp, old = path + ".tmp", path + ".old"
     state_dict = ranks.full_state_dict(model)  # collective: every rank takes part
@@ -83,12 +91,22 @@ def save_checkpoint(cfg, model, tokenizer, opt, ranks, progress):
         if missing:  # the ranks wrote to different directories: a checkpoint that would not resume
             raise RuntimeError(f"checkpoint {tmp}: the optimizer shards of trainer ranks {missing} are missing")
     if ranks.is_main:
-        log_sizes = {name: os.path.getsize(os.path.join(cfg["out"], name)) for name in LOGS
-                     if os.path.exists(os.path.join(cfg["out"], name))}  # lines are flushed whole: a line boundary
-        torch.save(dict(opt=opt.state_dict() if ranks.world == 1 else None, world=ranks.world, **progress,
-                        log_sizes=log_sizes, saved_t=time.time(),
-                        rng=dict(torch=torch.get_rng_state(), python=random.getstate())),
-                   os.path.join(tmp, "trainer_state.pt"))
+        log_sizes = {
+            name: os.path.getsize(os.path.join(cfg["out"], name))
+            for name in LOGS
+            if os.path.exists(os.path.join(cfg["out"], name))
+        }  # lines are flushed whole: a line boundary
+        torch.save(
+            dict(
+                opt=opt.state_dict() if ranks.world == 1 else None,
+                world=ranks.world,
+                **progress,
+                log_sizes=log_sizes,
+                saved_t=time.time(),
+                rng=dict(torch=torch.get_rng_state(), python=random.getstate()),
+            ),
+            os.path.join(tmp, "trainer_state.pt"),
+        )
         if os.path.exists(path):
             shutil.rmtree(old, ignore_errors=True)  # a leftover of a save that died after its last rename
             os.rename(path, old)
@@ -99,7 +117,8 @@ def save_checkpoint(cfg, model, tokenizer, opt, ranks, progress):
 
 def checkpoint_complete(path):
     return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "trainer_state.pt")) and any(
-        os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+        os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")
+    )
 
 
 def recover_checkpoint(run):
@@ -111,11 +130,15 @@ def recover_checkpoint(run):
         return path
     if not os.path.exists(path) and checkpoint_complete(path + ".old"):
         os.rename(path + ".old", path)
-        print(f"resume: {path} was missing (a save was interrupted); using the previous checkpoint, "
-              f"{path}.old", file=sys.stderr)
+        print(
+            f"resume: {path} was missing (a save was interrupted); using the previous checkpoint, {path}.old",
+            file=sys.stderr,
+        )
         return path
-    raise UsageError(f"--resume {run}: no complete checkpoint in {path} (runs save one every --save-every "
-                     "steps and at the last step)")
+    raise UsageError(
+        f"--resume {run}: no complete checkpoint in {path} (runs save one every --save-every "
+        "steps and at the last step)"
+    )
 
 
 def wait_for_checkpoint(run, timeout=600):
@@ -145,10 +168,14 @@ def cut_logs(out, state):
             with open(side, "wb") as f:
                 f.write(tail)
             os.truncate(path, size)
-            print(f"resume: {lines} lines of {name} written after the step-{state['step']} "
-                  f"checkpoint moved to {side}", file=sys.stderr)
+            print(
+                f"resume: {lines} lines of {name} written after the step-{state['step']} checkpoint moved to {side}",
+                file=sys.stderr,
+            )
     with open(os.path.join(out, "events.jsonl"), "a") as f:  # the gap until this restart is no activity
-        for proc in ["trainer"] + sorted({e["proc"] for e in read_jsonl(os.path.join(out, "events.jsonl"))} - {"trainer"}):
+        for proc in ["trainer"] + sorted(
+            {e["proc"] for e in read_jsonl(os.path.join(out, "events.jsonl"))} - {"trainer"}
+        ):
             f.write(json.dumps(dict(t=state.get("saved_t", time.time()), proc=proc, what="stopped")) + "\n")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return max([json.loads(line).get("wall_s", 0.0) for line in f if line.strip()] or [0.0])
@@ -159,4 +186,5 @@ def load_trainer_state(run):
     may come from another device layout (saved on cuda:1, resumed on cuda:0 or a CPU);
     opt.load_state_dict then moves each state tensor to its parameter's device."""
     import torch  # mmap: nothing is read until used (--resume reads the step first, the optimizer state later)
+
     return torch.load(os.path.join(run, "ckpt", "trainer_state.pt"), map_location="cpu", weights_only=False, mmap=True)

@@ -24,9 +24,10 @@ loss_lag_mean (the same over the tokens the loss saw: answers whose advantage is
 0), truncated_frac, boxed_frac, gen_tok_per_s, gen_idle_s, discarded_tokens,
 recomputed_tokens, preempted, sync_s (the push, from the end of the optimizer step to
 weights loaded; in train.py to every engine joined and the tensors sent off, and
-sync_wait_s: what the next optimizer step waited for them to arrive), trainer_wait_s (waiting for the step's groups); how off-policy the
-trained tokens were (grpo.offpolicy_metrics): ess, clipped_frac, kl, and each again with
-_fresh, _stale, _lag0, _lag1, _lag2 (None where no token falls in the group); PACE's
+sync_wait_s: what the next optimizer step waited for them to arrive), trainer_wait_s
+(waiting for the step's groups); how off-policy the trained tokens were
+(grpo.offpolicy_metrics): ess, clipped_frac, kl, and each again with _fresh, _stale,
+_lag0, _lag1, _lag2 (None where no token falls in the group); PACE's
 rejected_groups, rejected_tokens, pool_size, gen_staleness_mean, wait_staleness_mean;
 and eval_acc, eval_truncated_frac, eval_version on evaluation steps. train.py adds
 cpu_s, stall_bound_s and, on a GPU, train_peak_gib (machine facts the simulation has no
@@ -47,6 +48,7 @@ class RunLog:
         self.tracker = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tracker = SummaryWriter(os.path.join(out, "tensorboard"))
         self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")
         self.events = open(os.path.join(out, "events.jsonl"), "a")
@@ -79,34 +81,55 @@ class RunLog:
         (engine.Rollout) and its fate: consumed by this step (at time t: now by
         default) or rejected (PACE)."""
         t = self.clock() if t is None else t
-        lines = [json.dumps(dict(sample_id=s["sample_id"], group_id=s["group_id"], prompt_id=s["prompt_id"],
-                                 engine=s["engine"], tokens=len(s["token_ids"]), fate=fate, step=step, t=t,
-                                 **s["provenance"]))
-                 for groups, fate in ((consumed, "consumed"), (rejected, "rejected")) for g in groups for s in g]
+        lines = [
+            json.dumps(
+                dict(
+                    sample_id=s["sample_id"],
+                    group_id=s["group_id"],
+                    prompt_id=s["prompt_id"],
+                    engine=s["engine"],
+                    tokens=len(s["token_ids"]),
+                    fate=fate,
+                    step=step,
+                    t=t,
+                    **s["provenance"],
+                )
+            )
+            for groups, fate in ((consumed, "consumed"), (rejected, "rejected"))
+            for g in groups
+            for s in g
+        ]
         self.answers_f.write("".join(line + "\n" for line in lines))
         self.answers_f.flush()
-
 
     def evaluation(self, step, version, texts, problems, truncated, right):
         """eval_answers.jsonl: each evaluation answer, after `step` with weights `version`:
         the problem, the right answer, what the model wrote, whether it finished (not cut
         at the length cap) and was graded right. So a learning claim can be read, not only counted."""
-        lines = [json.dumps(dict(step=step, version=version, problem=i, answer=p["answer"], text=t, finished=not cut,
-                                 right=bool(r)))
-                 for i, (t, p, cut, r) in enumerate(zip(texts, problems, truncated, right))]
+        lines = [
+            json.dumps(
+                dict(step=step, version=version, problem=i, answer=p["answer"], text=t, finished=not cut, right=bool(r))
+            )
+            for i, (t, p, cut, r) in enumerate(zip(texts, problems, truncated, right))
+        ]
         self.evals.write("".join(line + "\n" for line in lines))
         self.evals.flush()
 
 
 def step_line(m):
     """The log line of a step (metrics.jsonl has the same numbers, and more)."""
-    return (f"step {m['step']} | v{m['version']} | reward {m['reward_mean']:.3f}"
-            + (f" | eval v{m['eval_version']} {m['eval_acc']:.3f}" if "eval_acc" in m else "")
-            + f" | stale {100 * m['stale_token_frac']:.1f}% | lag {m['lag_mean']:.2f}"
-            + (f" | ess {m['ess']:.3f} clipped {100 * m['clipped_frac']:.1f}% kl {m['kl']:.1e}"
-               if m.get("ess") is not None else "")
-            + f" | {m['gen_tok_per_s']:.0f} tok/s | sync {m['sync_s']:.2f}s | idle {m['gen_idle_s']:.2f}s"
-            + f" | wait {m['trainer_wait_s']:.2f}s")
+    return (
+        f"step {m['step']} | v{m['version']} | reward {m['reward_mean']:.3f}"
+        + (f" | eval v{m['eval_version']} {m['eval_acc']:.3f}" if "eval_acc" in m else "")
+        + f" | stale {100 * m['stale_token_frac']:.1f}% | lag {m['lag_mean']:.2f}"
+        + (
+            f" | ess {m['ess']:.3f} clipped {100 * m['clipped_frac']:.1f}% kl {m['kl']:.1e}"
+            if m.get("ess") is not None
+            else ""
+        )
+        + f" | {m['gen_tok_per_s']:.0f} tok/s | sync {m['sync_s']:.2f}s | idle {m['gen_idle_s']:.2f}s"
+        + f" | wait {m['trainer_wait_s']:.2f}s"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -145,9 +168,12 @@ def write_ledger(cfg, gen_stats):
     when a run died after its checkpoint); recomputed tokens were prefilled again, not
     generated. gen_stats: the generator's counters, which a resumed run continues."""
     steps = [m for m in read_jsonl(os.path.join(cfg["out"], "metrics.jsonl")) if "trained_tokens" in m]
-    tok = dict(generated=gen_stats.get("gen_tokens", 0), trained=sum(m["trained_tokens"] for m in steps),
-               discarded=gen_stats.get("discarded_tokens", 0),
-               rejected=sum(m.get("rejected_tokens", 0) for m in steps))
+    tok = dict(
+        generated=gen_stats.get("gen_tokens", 0),
+        trained=sum(m["trained_tokens"] for m in steps),
+        discarded=gen_stats.get("discarded_tokens", 0),
+        rejected=sum(m.get("rejected_tokens", 0) for m in steps),
+    )
     tok["left_over"] = tok["generated"] - tok["trained"] - tok["discarded"] - tok["rejected"]
     tok["recomputed"] = gen_stats.get("recomputed_tokens", 0)
     secs, startup, total = {}, 0.0, 0.0
@@ -162,12 +188,18 @@ def write_ledger(cfg, gen_stats):
     with open(os.path.join(cfg["out"], "ledger.json"), "w") as f:
         json.dump(led, f, indent=1)
     g = max(1, tok["generated"])
-    print(f"wasted-work ledger ({cfg['out']}/ledger.json): {tok['generated']:,} tokens generated = "
-          + " + ".join(f"{tok[k]:,} {k.replace('_', ' ')} ({100 * tok[k] / g:.1f}%)"
-                       for k in ("trained", "discarded", "rejected", "left_over"))
-          + f"; {tok['recomputed']:,} prefilled again (recompute)")
+    print(
+        f"wasted-work ledger ({cfg['out']}/ledger.json): {tok['generated']:,} tokens generated = "
+        + " + ".join(
+            f"{tok[k]:,} {k.replace('_', ' ')} ({100 * tok[k] / g:.1f}%)"
+            for k in ("trained", "discarded", "rejected", "left_over")
+        )
+        + f"; {tok['recomputed']:,} prefilled again (recompute)"
+    )
     for proc, d in secs.items():
         shares = sorted(d.items(), key=lambda x: -x[1])
-        print(f"  {proc:9s} {total:.0f} s after {startup:.0f} s of start-up: "
-              + ", ".join(f"{w} {100 * s / max(total, 1e-9):.0f}%" for w, s in shares))
+        print(
+            f"  {proc:9s} {total:.0f} s after {startup:.0f} s of start-up: "
+            + ", ".join(f"{w} {100 * s / max(total, 1e-9):.0f}%" for w, s in shares)
+        )
     return led

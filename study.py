@@ -56,8 +56,9 @@ BINS = [(1, 8), (9, 16), (17, 32), (33, None)]  # distance from the switch, 1 = 
 
 
 def parse_config(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="tiny", help="'tiny', 'smol' (tools/smol.py), a Hub id or a directory")
     p.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="task")
     p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline)")
@@ -67,15 +68,24 @@ def parse_config(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length cap (default: per model)")
     p.add_argument("--updates", type=int, default=1, help="optimizer steps from v to v+1 (on the same answers)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: per model)")
-    p.add_argument("--micro-batch-tokens", type=int, default=16384,
-                   help="padded tokens per forward/backward in the update (train.py's flag)")
-    p.add_argument("--switch", type=int, default=None,
-                   help="switch position s for every answer (default: uniform over 1..n-1 per answer)")
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=16384,
+        help="padded tokens per forward/backward in the update (train.py's flag)",
+    )
+    p.add_argument(
+        "--switch",
+        type=int,
+        default=None,
+        help="switch position s for every answer (default: uniform over 1..n-1 per answer)",
+    )
     p.add_argument("--layers", default=None, help="comma-separated k grid (default: 0, L/4, L/2, 3L/4, L)")
     p.add_argument("--seed", type=int, default=0, help="seed for the sampled answers and switch positions")
     p.add_argument("--device", default="auto", help="auto (cuda, else cpu), cpu, cuda:N")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, 0: torch's default "
-                   "(default: per model)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch, 0: torch's default (default: per model)"
+    )
     p.add_argument("--out", default=None, help="output JSON (default: out/study-<model>-<dataset>/study.json)")
     cfg = vars(p.parse_args(argv))
     for k, v in PER_MODEL["tiny" if cfg["model"] == "tiny" else "hub"].items():
@@ -91,6 +101,7 @@ def sample_answers(model, tokenizer, problems, cfg, device):
     plus the prompt index."""
     import torch
     from data import make_prompt
+
     prompts = [tokenizer(make_prompt(tokenizer, p["question"], cfg["dataset"]))["input_ids"] for p in problems]
     rows = [i for i in range(len(prompts)) for _ in range(cfg["group_size"])]
     width = max(map(len, prompts))
@@ -98,8 +109,16 @@ def sample_answers(model, tokenizer, problems, cfg, device):
     ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows], device=device)
     attn = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=device)
     # the full distribution at temperature 1: Qwen's generation_config would add top_k=20, top_p=0.95
-    out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                         max_new_tokens=cfg["max_new_tokens"], pad_token_id=pad)[:, width:].cpu()  # (B, <=max_new)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=attn,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=cfg["max_new_tokens"],
+        pad_token_id=pad,
+    )[:, width:].cpu()  # (B, <=max_new)
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     samples = []
@@ -116,6 +135,7 @@ def update(model, samples, problems, tokenizer, cfg, device):
     import torch
     from reward import score
     from grpo import answer_logprobs, micro_batches, token_weights, train_step
+
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in samples], skip_special_tokens=True)
     rewards = torch.tensor([score(t, problems[s["prompt"]]["answer"], cfg["dataset"]) for t, s in zip(texts, samples)])
     r = rewards.view(-1, cfg["group_size"])
@@ -127,8 +147,9 @@ def update(model, samples, problems, tokenizer, cfg, device):
             logp = answer_logprobs(model, [samples[i] for i in idx], 1.0, device).cpu()
             for i, row in zip(idx, logp.split([len(samples[i]["token_ids"]) for i in idx])):
                 samples[i]["logprobs"] = row
-    loss_cfg = dict(loss="tis", is_cap=2.0, temperature=1.0, micro_batch_tokens=cfg["micro_batch_tokens"],
-                    loss_agg="token")
+    loss_cfg = dict(
+        loss="tis", is_cap=2.0, temperature=1.0, micro_batch_tokens=cfg["micro_batch_tokens"], loss_agg="token"
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     for _ in range(cfg["updates"]):
         opt.zero_grad(set_to_none=True)
@@ -142,6 +163,7 @@ def splice(old_cache, new_cache, k, m, config):
     """A cache of the first m positions: layers < k hold v+1's KV, layers >= k hold v's.
     Each layer's keys/values: (1, kv_heads, m, head_dim), keys after k_norm and RoPE."""
     from transformers import DynamicCache
+
     src = [new_cache.layers[i] if i < k else old_cache.layers[i] for i in range(len(old_cache.layers))]
     # DynamicCache copies on update (torch.cat), so the sliced views are never written to
     return DynamicCache([(layer.keys[:, :, :m], layer.values[:, :, :m]) for layer in src], config=config)
@@ -152,6 +174,7 @@ def switch_logprobs(old, new, prompt_ids, token_ids, s, ks, device):
     {"old", "fresh", "stale", k: partial(k) for k in ks}; plus "old_all", "fresh_all"
     (n, V) over every answer token."""
     import torch
+
     P, n = len(prompt_ids), len(token_ids)
     ids = torch.cat([prompt_ids, token_ids]).long()[None].to(device)  # (1, P+n)
     out_old, out_new = old(ids, use_cache=True), new(ids, use_cache=True)
@@ -160,10 +183,12 @@ def switch_logprobs(old, new, prompt_ids, token_ids, s, ks, device):
     # float64 from here: KL(p||q) is second order in the logit difference, but summed from float32
     # log-probs it picks up first-order rounding (~1e-7 x |log p| per token), as big as the KLs of
     # a 1e-6 step (~5e-5 nats). out_new.logits[0, P-1:P+n-1]: (n, V)
-    lp = {"old_all": torch.log_softmax(out_old.logits[0, P - 1:P + n - 1].double(), -1),
-          "fresh_all": torch.log_softmax(out_new.logits[0, P - 1:P + n - 1].double(), -1)}
+    lp = {
+        "old_all": torch.log_softmax(out_old.logits[0, P - 1 : P + n - 1].double(), -1),
+        "fresh_all": torch.log_softmax(out_new.logits[0, P - 1 : P + n - 1].double(), -1),
+    }
     lp["old"], lp["fresh"] = lp["old_all"][s:], lp["fresh_all"][s:]
-    m, rest = P + s - 1, ids[:, P + s - 1:P + n - 1]  # v+1 feeds a_{s-1}..a_{n-2}: (1, n-s)
+    m, rest = P + s - 1, ids[:, P + s - 1 : P + n - 1]  # v+1 feeds a_{s-1}..a_{n-2}: (1, n-s)
     for k in sorted(set(ks) | {0}):
         cache = splice(out_old.past_key_values, out_new.past_key_values, k, m, new.config)
         lp[k] = torch.log_softmax(new(rest, past_key_values=cache, use_cache=True).logits[0].double(), -1)
@@ -180,6 +205,7 @@ def summarise(rows, ks, cfg):
     """Pool the per-position KLs of all answers (sum over positions, then the ratio). Ratios
     are None when v+1 == v (lr 0, or every group's rewards equal): there is nothing to undo."""
     import torch
+
     cat = {key: torch.cat([r[key] for r in rows]) for key in rows[0]}
     moved = cat["all"].sum().item() > 0
     ratio = lambda a, b: a.sum().item() / b.sum().item() if moved and b.sum() > 0 else None
@@ -187,26 +213,45 @@ def summarise(rows, ks, cfg):
     bins = []
     for lo, hi in BINS:
         sel = (cat["d"] >= lo) & (cat["d"] <= (hi or 1 << 30))
-        bins.append(dict(bin=f"{lo}-{hi}" if hi else f">{lo - 1}", tokens=int(sel.sum()),
-                         kl_fresh_old=cat["old"][sel].sum().item(), kl_fresh_stale=cat["stale"][sel].sum().item(),
-                         share_undone=ratio(cat["stale"][sel], cat["old"][sel])))
-    return dict(answers=len(rows), positions=len(cat["d"]), bins=bins, share_undone=ratio(cat["stale"], cat["old"]),
-                kl_per_token_per_step=cat["all"].mean().item() / max(1, cfg["updates"]),
-                partial=[dict(k=k, kl_fresh_partial=cat[k].sum().item(), share_removed=removed(k)) for k in ks])
+        bins.append(
+            dict(
+                bin=f"{lo}-{hi}" if hi else f">{lo - 1}",
+                tokens=int(sel.sum()),
+                kl_fresh_old=cat["old"][sel].sum().item(),
+                kl_fresh_stale=cat["stale"][sel].sum().item(),
+                share_undone=ratio(cat["stale"][sel], cat["old"][sel]),
+            )
+        )
+    return dict(
+        answers=len(rows),
+        positions=len(cat["d"]),
+        bins=bins,
+        share_undone=ratio(cat["stale"], cat["old"]),
+        kl_per_token_per_step=cat["all"].mean().item() / max(1, cfg["updates"]),
+        partial=[dict(k=k, kl_fresh_partial=cat[k].sum().item(), share_removed=removed(k)) for k in ks],
+    )
 
 
 def plot(res, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.bar([x["bin"] for x in res["bins"]], [100 * (x["share_undone"] or 0) for x in res["bins"]])
-    a.set(xlabel="distance from the switch (tokens)", ylabel="% of the update undone",
-          title="KL(fresh||stale) / KL(fresh||old)")
+    a.set(
+        xlabel="distance from the switch (tokens)",
+        ylabel="% of the update undone",
+        title="KL(fresh||stale) / KL(fresh||old)",
+    )
     b.plot([x["k"] for x in res["partial"]], [100 * (x["share_removed"] or 0) for x in res["partial"]], "o-")
-    b.set(xlabel="first k layers' prefix KV recomputed", ylabel="% of stale divergence removed",
-          title=f"1 - KL(fresh||partial k) / KL(fresh||stale), L = {res['layers']}",
-          xticks=[x["k"] for x in res["partial"]])
+    b.set(
+        xlabel="first k layers' prefix KV recomputed",
+        ylabel="% of stale divergence removed",
+        title=f"1 - KL(fresh||partial k) / KL(fresh||stale), L = {res['layers']}",
+        xticks=[x["k"] for x in res["partial"]],
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -218,6 +263,7 @@ def main(argv=None):
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from data import load_problems
+
     device = cfg["device"] if cfg["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and cfg["threads"]:
         # the tiny model's ops are too small to gain from more threads, and when other processes
@@ -233,8 +279,9 @@ def main(argv=None):
     assert all(0 <= k <= L for k in ks), f"--layers must lie in 0..{L}"
     print(json.dumps(cfg, indent=1))
 
-    problems = load_problems(cfg["dataset"], "train", n=cfg["prompts"], data_file=cfg["data_file"],
-                             steps=cfg["synth_steps"])
+    problems = load_problems(
+        cfg["dataset"], "train", n=cfg["prompts"], data_file=cfg["data_file"], steps=cfg["synth_steps"]
+    )
     with torch.no_grad():
         samples = sample_answers(old, tokenizer, problems, cfg, device)
     new = copy.deepcopy(old)
@@ -249,12 +296,24 @@ def main(argv=None):
             if not 1 <= s <= n - 1:  # no token after the switch to measure
                 continue
             lp = switch_logprobs(old, new, smp["prompt_ids"], smp["token_ids"], s, ks, device)
-            rows.append({"d": torch.arange(1, n - s + 1), "old": kl(lp["fresh"], lp["old"]).cpu(),
-                         "stale": kl(lp["fresh"], lp["stale"]).cpu(), "all": kl(lp["fresh_all"], lp["old_all"]).cpu(),
-                         **{k: kl(lp["fresh"], lp[k]).cpu() for k in ks}})
+            rows.append(
+                {
+                    "d": torch.arange(1, n - s + 1),
+                    "old": kl(lp["fresh"], lp["old"]).cpu(),
+                    "stale": kl(lp["fresh"], lp["stale"]).cpu(),
+                    "all": kl(lp["fresh_all"], lp["old_all"]).cpu(),
+                    **{k: kl(lp["fresh"], lp[k]).cpu() for k in ks},
+                }
+            )
     assert rows, "no answer has a token after its switch position"
-    res = dict(config=cfg, layers=L, device=device, reward_mean=rewards.mean().item(),
-               answer_len=sum(len(s["token_ids"]) for s in samples) / len(samples), **summarise(rows, ks, cfg))
+    res = dict(
+        config=cfg,
+        layers=L,
+        device=device,
+        reward_mean=rewards.mean().item(),
+        answer_len=sum(len(s["token_ids"]) for s in samples) / len(samples),
+        **summarise(rows, ks, cfg),
+    )
     os.makedirs(os.path.dirname(cfg["out"]) or ".", exist_ok=True)
     with open(cfg["out"], "w") as f:
         json.dump(res, f, indent=1)
@@ -262,8 +321,10 @@ def main(argv=None):
     plot(res, png)
 
     pct = lambda x: "   n/a" if x is None else f"{100 * x:5.1f}%"
-    print(f"\n{res['answers']} answers (mean {res['answer_len']:.0f} tokens, reward {res['reward_mean']:.2f}), "
-          f"{res['positions']} positions after the switch; L = {L} layers")
+    print(
+        f"\n{res['answers']} answers (mean {res['answer_len']:.0f} tokens, reward {res['reward_mean']:.2f}), "
+        f"{res['positions']} positions after the switch; L = {L} layers"
+    )
     print(f"KL(fresh||old) per token per optimizer step: {res['kl_per_token_per_step']:.2e} nats")
     print("distance  tokens  share undone")
     for b in res["bins"]:

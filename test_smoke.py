@@ -20,8 +20,20 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))  # tests/helpers.py
 from helpers import ROOT, check_run, read, train  # noqa: E402  (train: train.py to its end)
 
-SMALL = ["--eval-every", "3", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4",
-         "--synth-steps", "6", "--max-new-tokens", "64"]
+SMALL = [
+    "--eval-every",
+    "3",
+    "--eval-n",
+    "8",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--synth-steps",
+    "6",
+    "--max-new-tokens",
+    "64",
+]
 
 
 @pytest.mark.parametrize("regime", ["sync", "drain", "discard", "stale", "recompute"])
@@ -34,6 +46,7 @@ def test_regime_end_to_end(regime, tmp_path):
     check_run(run, regime, steps=3)  # the run directory's contract, the regime's invariants
     if regime == "recompute":  # --tensorboard: the same numbers as metrics.jsonl, read back
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
         board = EventAccumulator(os.path.join(run, "tensorboard"))
         board.Reload()
         metrics = read(run, "metrics.jsonl")
@@ -41,7 +54,8 @@ def test_regime_end_to_end(regime, tmp_path):
             want = [(m["step"], m[key]) for m in metrics if key in m]
             got = [(e.step, e.value) for e in board.Scalars(key)]
             assert [s for s, _ in got] == [s for s, _ in want] and all(
-                abs(a - b) < 1e-6 for (_, a), (_, b) in zip(got, want)), (key, got, want)
+                abs(a - b) < 1e-6 for (_, a), (_, b) in zip(got, want)
+            ), (key, got, want)
 
 
 def start_train(run):
@@ -50,9 +64,15 @@ def start_train(run):
     with open(run + ".stderr", "w") as err:  # the child keeps its own copy of the descriptor
         # SIGINT as a terminal leaves it: a job a script started in the background (`cmd &`)
         # inherits SIGINT ignored, and so would train.py, and Ctrl-C could not be tested
-        proc = subprocess.Popen([sys.executable, "train.py", "--out", run, "--steps", "1000", *SMALL, "--no-plot"],
-                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True, cwd=ROOT,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", "--out", run, "--steps", "1000", *SMALL, "--no-plot"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+            cwd=ROOT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     proc.stderr_path = run + ".stderr"
     return proc
 
@@ -71,7 +91,9 @@ def exits(proc, timeout=30):
         proc.send_signal(signal.SIGUSR1)
         time.sleep(2)
         proc.kill()
-        raise AssertionError(f"train.py still alive {timeout}s later; its stderr and stack:\n{stderr_tail(proc)}") from None
+        raise AssertionError(
+            f"train.py still alive {timeout}s later; its stderr and stack:\n{stderr_tail(proc)}"
+        ) from None
 
 
 def wait_for_step(proc, timeout=300):

@@ -33,9 +33,23 @@ import time
 import config
 from data import UsageError, load_splits, prompt_ids
 from devices import prepare
-from grpo import (LOGIT_CHUNK_BYTES, TrainingDiverged, activation_checkpointing, batch_metrics, generator_metrics,
-                  lr_at, micro_batches, minibatches, offpolicy_metrics, old_logprobs, optimizer_step, run_tokens,
-                  score_batch, token_weights, train_step)
+from grpo import (
+    LOGIT_CHUNK_BYTES,
+    TrainingDiverged,
+    activation_checkpointing,
+    batch_metrics,
+    generator_metrics,
+    lr_at,
+    micro_batches,
+    minibatches,
+    offpolicy_metrics,
+    old_logprobs,
+    optimizer_step,
+    run_tokens,
+    score_batch,
+    token_weights,
+    train_step,
+)
 from preflight import check_budget, check_kv_plan, check_memory_plan, check_model
 from ranks import Ranks
 from rundir import cut_logs, load_trainer_state, resume_config, save_checkpoint
@@ -46,32 +60,54 @@ from runlog import RunLog, step_line, write_ledger
 
 
 def parse_config(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=config.Help)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=config.Help)
     config.add_flags(p, "train")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (the last step always)")
-    p.add_argument("--resume", default=None, help="run directory to continue from its checkpoint (default: none, a new run)")
+    p.add_argument(
+        "--resume", default=None, help="run directory to continue from its checkpoint (default: none, a new run)"
+    )
     p.add_argument("--engines", type=int, default=1, help="generator engines, each its own process and vLLM engine")
-    p.add_argument("--gen-device", default="auto", help="generator device: auto, cpu, cuda:N, or one per engine: "
-                                                        "cuda:0,cuda:1 (auto: the first GPUs, the trainer's the next)")
+    p.add_argument(
+        "--gen-device",
+        default="auto",
+        help="generator device: auto, cpu, cuda:N, or one per engine: "
+        "cuda:0,cuda:1 (auto: the first GPUs, the trainer's the next)",
+    )
     p.add_argument("--train-device", default="auto", help="trainer device: auto, cpu, cuda:N")
-    p.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
-                   help="recompute each layer's activations in backward (grpo.activation_checkpointing); auto: on a GPU")
-    p.add_argument("--tensorboard", action="store_true", help="also write the metrics for TensorBoard, in <run>/tensorboard")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="vLLM's share of its GPU (default 0.85 alone, 0.3 when sharing one GPU with the trainer)")
-    p.add_argument("--stall-s", type=float, default=0,
-                   help="seconds a live generator may send nothing while the trainer waits for it, before both "
-                        "stop with its stack (0: from --max-new-tokens and its slowest engine step, "
-                        "generator.GeneratorHandle.stall_bound)")
+    p.add_argument(
+        "--grad-checkpointing",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="recompute each layer's activations in backward (grpo.activation_checkpointing); auto: on a GPU",
+    )
+    p.add_argument(
+        "--tensorboard", action="store_true", help="also write the metrics for TensorBoard, in <run>/tensorboard"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's share of its GPU (default 0.85 alone, 0.3 when sharing one GPU with the trainer)",
+    )
+    p.add_argument(
+        "--stall-s",
+        type=float,
+        default=0,
+        help="seconds a live generator may send nothing while the trainer waits for it, before both "
+        "stop with its stack (0: from --max-new-tokens and its slowest engine step, "
+        "generator.GeneratorHandle.stall_bound)",
+    )
     args = p.parse_args(argv)
     if args.resume:  # the saved config wins; only --steps may grow; it goes on from its checkpoint
         cfg = resume_config(args.resume, args.steps, defaults=vars(p.parse_args([])))
         if cfg["lr_schedule"] == "cosine" and cfg["steps"] > cfg["schedule_steps"]:
-            raise UsageError(f"--resume {args.resume} --steps {cfg['steps']}: its cosine schedule reaches lr 0 at step "
-                             f"{cfg['schedule_steps']}; a run with --lr-schedule constant can be extended")
+            raise UsageError(
+                f"--resume {args.resume} --steps {cfg['steps']}: its cosine schedule reaches lr 0 at step "
+                f"{cfg['schedule_steps']}; a run with --lr-schedule constant can be extended"
+            )
         return config.fill(cfg, "train")  # flags added since it was saved
     return config.fill(vars(args), "train")  # and what follows from them (sync: --max-lag 0)
+
 
 # -----------------------------------------------------------------------------
 # the run
@@ -90,8 +126,14 @@ def main(argv=None):
     ranks = Ranks()  # torchrun's trainer ranks, or this one process (ranks.py)
     envs = prepare(cfg, ranks.world, ranks.local_rank)  # where each process runs, and what follows from it
     check_model(cfg["model_path"])
-    check_budget(cfg["model_path"], cfg["dataset"], train_problems + test, cfg["max_new_tokens"],
-                 cfg["max_model_len"], name=cfg["model"])
+    check_budget(
+        cfg["model_path"],
+        cfg["dataset"],
+        train_problems + test,
+        cfg["max_new_tokens"],
+        cfg["max_model_len"],
+        name=cfg["model"],
+    )
     device = cfg["trainer_device"]
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
@@ -190,8 +232,11 @@ def main(argv=None):
             # 3. loss and --minibatches optimizer steps, each on its part of the batch (micro-batches
             # accumulate into one gradient); several trainer ranks: each takes its share of each part (ranks.py)
             count = lambda answers: len(micro_batches(answers, cfg["micro_batch_tokens"]))
-            parts = [ranks.scatter(part, adv[idx], token_weights(cfg, part), count)  # token_weights: of the whole part
-                     for idx in minibatches(len(batch), cfg["minibatches"]) for part in [[batch[i] for i in idx]]]
+            parts = [
+                ranks.scatter(part, adv[idx], token_weights(cfg, part), count)  # token_weights: of the whole part
+                for idx in minibatches(len(batch), cfg["minibatches"])
+                for part in [[batch[i] for i in idx]]
+            ]
             trained = optimize(cfg, model, opt, ranks, step, parts, device, settle=settle)
 
             # 4. push the new weights to the generator (drain holds the push until its answers finish);
@@ -205,14 +250,23 @@ def main(argv=None):
 
             # 5. log what explains the run, evaluate the new weights, save
             now, stats = time.time(), dict(gen.stats)
-            m = dict(step=step, wall_s=round(now - t_start, 2), version=version, **scores,
-                     **trained, sync_s=sync_s, sync_wait_s=waited[0],
-                     trainer_wait_s=trainer_wait_s, stall_bound_s=round(gen.stall_bound(), 1),
-                     **batch_metrics(batch, adv, version), run_tokens=run_tokens(cfg, batch, adv),
-                     **pool_stats(batch_groups, rejected, pool.complete, version),
-                     **generator_metrics(stats, last_stats, now - last_t),
-                     cpu_s=round(time.process_time() + cpu_s0 + stats.get("cpu_s", 0.0), 1),  # both processes, so far
-                     **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}))
+            m = dict(
+                step=step,
+                wall_s=round(now - t_start, 2),
+                version=version,
+                **scores,
+                **trained,
+                sync_s=sync_s,
+                sync_wait_s=waited[0],
+                trainer_wait_s=trainer_wait_s,
+                stall_bound_s=round(gen.stall_bound(), 1),
+                **batch_metrics(batch, adv, version),
+                run_tokens=run_tokens(cfg, batch, adv),
+                **pool_stats(batch_groups, rejected, pool.complete, version),
+                **generator_metrics(stats, last_stats, now - last_t),
+                cpu_s=round(time.process_time() + cpu_s0 + stats.get("cpu_s", 0.0), 1),  # both processes, so far
+                **({"train_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device != "cpu" else {}),
+            )
             last_stats, last_t, version = stats, now, new_version
             if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
                 m.update(evaluate(step, version), eval_version=version)  # the weights just pushed: v+1
@@ -221,9 +275,21 @@ def main(argv=None):
             if saves_at(cfg, step):
                 gen.settle()  # a checkpoint's version is one every engine holds
                 log.trainer("saving")
-                save_checkpoint(cfg, model, tokenizer, opt, ranks, dict(
-                    step=step, version=version, data_position=pool.position, done_groups=sorted(pool.done),
-                    gen_stats=stats, trainer_cpu_s=time.process_time() + cpu_s0))
+                save_checkpoint(
+                    cfg,
+                    model,
+                    tokenizer,
+                    opt,
+                    ranks,
+                    dict(
+                        step=step,
+                        version=version,
+                        data_position=pool.position,
+                        done_groups=sorted(pool.done),
+                        gen_stats=stats,
+                        trainer_cpu_s=time.process_time() + cpu_s0,
+                    ),
+                )
         gen.settle()
         log.trainer("done")
     except KeyboardInterrupt:
@@ -236,6 +302,7 @@ def main(argv=None):
     write_ledger(cfg, gen.stats)
     if not cfg["no_plot"]:
         from plot import plot_run
+
         print("plot:", plot_run(cfg["out"]))
 
 
@@ -259,8 +326,12 @@ def optimize(cfg, model, opt, ranks, step, parts, device, settle=lambda: None):
         out = (*out, optimizer_step(model, opt, out[0]))
         total = [a + b for a, b in zip(total, out)] if total else list(out)
     loss, gap, gap_tokens, *sums, grad_norm = total
-    return dict(loss=loss / len(parts), grad_norm=grad_norm / len(parts), behaviour_gap=gap / max(1, gap_tokens),
-                **offpolicy_metrics(sums))
+    return dict(
+        loss=loss / len(parts),
+        grad_norm=grad_norm / len(parts),
+        behaviour_gap=gap / max(1, gap_tokens),
+        **offpolicy_metrics(sums),
+    )
 
 
 def follow(cfg, model, opt, ranks, start_step, gen_dtype, device):
@@ -279,10 +350,13 @@ def follow(cfg, model, opt, ranks, start_step, gen_dtype, device):
 def saves_at(cfg, step):
     return step == cfg["steps"] or cfg["save_every"] and step % cfg["save_every"] == 0
 
+
 if __name__ == "__main__":
     import signal
     from generator import GeneratorDied
+
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, schedulers: stop as Ctrl-C does
     import faulthandler
+
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack on stderr
     config.run(main, "train.py", GeneratorDied, TrainingDiverged)  # a user's mistake: one line, exit code 2

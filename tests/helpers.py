@@ -34,6 +34,7 @@ def start(regime, *extra, tmp="out/test", **overrides):
     from devices import prepare
     from generator import GeneratorHandle
     from train import parse_config
+
     cfg = dict(parse_config(["--regime", regime, "--out", tmp, *extra]), **overrides)
     cores = os.sched_getaffinity(0)
     envs = prepare(cfg)  # pins this process to the trainer's half of the cores...
@@ -54,8 +55,7 @@ def collect(gen, n, timeout=120):
 
 def train(*args, timeout=600):
     """train.py to its end, as a user runs it from the repository root; it must succeed."""
-    r = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=ROOT)
+    r = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -69,14 +69,17 @@ def wait_for(proc, prefix, timeout=300):
         assert time.time() - t0 < timeout
     raise AssertionError(f"train.py ended before {prefix!r}: " + proc.stderr.read()[-3000:])
 
+
 # -----------------------------------------------------------------------------
 # the independent references: Hugging Face transformers
 
 
 def hf_model(cfg):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+
+    return AutoModelForCausalLM.from_pretrained(
+        cfg["model_path"], dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def perturbed(model, seed, scale=0.5):
@@ -97,7 +100,7 @@ def hf_logprobs(model, prompt_ids, token_ids, temperature=1.0):
     ids = torch.tensor([list(prompt_ids) + list(token_ids)])
     logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
     P = len(prompt_ids)
-    return logp[P - 1:-1].gather(-1, torch.tensor(token_ids)[:, None].long())[:, 0]
+    return logp[P - 1 : -1].gather(-1, torch.tensor(token_ids)[:, None].long())[:, 0]
 
 
 @torch.no_grad()
@@ -105,18 +108,29 @@ def hf_stale_logprobs(old, new, prompt, tokens, k, temperature):
     """What the stale regime computes: KV of prompt + tokens[:k-1] written by `old`
     (token k-1 was sampled by old but not yet fed through the model), then `new`
     feeds tokens[k-1:] attending to that cache. Returns logprobs of tokens[k:]."""
-    ctx = torch.tensor([prompt + tokens[:k - 1]])
+    ctx = torch.tensor([prompt + tokens[: k - 1]])
     cache = old(ctx, use_cache=True).past_key_values
-    logits = new(torch.tensor([tokens[k - 1:]]), past_key_values=cache, use_cache=True).logits[0, :-1]
+    logits = new(torch.tensor([tokens[k - 1 :]]), past_key_values=cache, use_cache=True).logits[0, :-1]
     return torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(tokens[k:])[:, None])[:, 0]
+
 
 # -----------------------------------------------------------------------------
 # a weight switch at a fixed engine step, on an engine in this process (the
 # Generator and the regimes as lesson.py drives them; tests/test_regimes.py says how)
 
 T = 0.7  # not 1: every reference must divide the logits by the sampling temperature, as vLLM does
-LONG = ("--synth-steps", "8", "--max-new-tokens", "96", "--group-size", "4", "--prompts-per-step", "4",
-        "--temperature", str(T))
+LONG = (
+    "--synth-steps",
+    "8",
+    "--max-new-tokens",
+    "96",
+    "--group-size",
+    "4",
+    "--prompts-per-step",
+    "4",
+    "--temperature",
+    str(T),
+)
 ENGINES = {}  # model -> the engine the tests share
 
 
@@ -127,13 +141,19 @@ def generator(regime, *args):
     from engine import Generator, make_engine
     from lesson import parse_config
     from regimes import make_regime
+
     cfg = parse_config(["--regime", regime, *LONG, "--max-lag", "1", *args])
     regime = make_regime(regime)  # cfg["max_lag"]: the regime's (config.fill: sync's is 0)
     if cfg["model"] not in ENGINES:
         ENGINES[cfg["model"]] = make_engine(cfg)
     outbox = []
-    gen = Generator(cfg, ENGINES[cfg["model"]], load_problems("synth", "train", n=64, steps="8"),
-                    AutoTokenizer.from_pretrained(cfg["model_path"]), outbox)
+    gen = Generator(
+        cfg,
+        ENGINES[cfg["model"]],
+        load_problems("synth", "train", n=64, steps="8"),
+        AutoTokenizer.from_pretrained(cfg["model_path"]),
+        outbox,
+    )
     return gen, regime, outbox, cfg
 
 
@@ -143,6 +163,7 @@ def run_with_switch(regime, n=32, model_args=(), at_step=20):
     v2 would be needed. Returns (the first n samples, old HF model, new HF model, stats)."""
     from engine import load_in_place
     from engine import as_tensors
+
     gen, regime, outbox, cfg = generator(regime, *model_args)
     old, new = hf_model(cfg), hf_model(cfg)
     new.load_state_dict(perturbed(old, seed=3))
@@ -181,6 +202,7 @@ def check_prefix(s, old, tol=1e-3):
     assert (ref - s["logprobs"][:k]).abs().max() < tol
     assert not s["stale"][:k].any()
 
+
 # -----------------------------------------------------------------------------
 # the checks the tiny model's tests run and tests/test_smol.py repeats on SmolLM2
 # (`model_args`: --model smol; `tol`: its looser tolerance)
@@ -189,8 +211,18 @@ def check_prefix(s, old, tol=1e-3):
 def check_sync_is_exact(model_args=(), tol=1e-3):
     """tests/test_generator.py::test_sync_is_exact: push perturbed weights, generate
     greedily under them: vLLM's tokens and logprobs equal the HF model's."""
-    gen, cfg = start("sync", "--prompts-per-step", "4", "--synth-steps", "3", "--max-new-tokens", "48", *model_args,
-                     temperature=0.0, group_size=1)
+    gen, cfg = start(
+        "sync",
+        "--prompts-per-step",
+        "4",
+        "--synth-steps",
+        "3",
+        "--max-new-tokens",
+        "48",
+        *model_args,
+        temperature=0.0,
+        group_size=1,
+    )
     try:
         model = hf_model(cfg)
         eos = model.generation_config.eos_token_id  # tiny: 0; SmolLM2: <|im_end|>
@@ -200,8 +232,10 @@ def check_sync_is_exact(model_args=(), tol=1e-3):
         bad = perturbed(model, seed=1)
         model.load_state_dict(bad)
         gen.push({k: v for k, v in model.named_parameters()})
-        diffs = [(hf_logprobs(model, s["prompt_ids"].tolist(), s["token_ids"].tolist()) - s["logprobs"]).abs().max()
-                 for s in collect(gen, 4)]
+        diffs = [
+            (hf_logprobs(model, s["prompt_ids"].tolist(), s["token_ids"].tolist()) - s["logprobs"]).abs().max()
+            for s in collect(gen, 4)
+        ]
         assert max(diffs) > 1e-2, f"a push without lm_head.weight went unnoticed (max diff {max(diffs):.2e})"
 
         # 2. the right push: the whole state_dict; twice (the receiver keeps nothing
@@ -219,8 +253,9 @@ def check_sync_is_exact(model_args=(), tol=1e-3):
                 assert not gen.pushing()
             for s in collect(gen, 4):
                 prompt = s["prompt_ids"].tolist()
-                greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
-                                        pad_token_id=eos, eos_token_id=eos)[0, len(prompt):].tolist()
+                greedy = model.generate(
+                    torch.tensor([prompt]), do_sample=False, max_new_tokens=48, pad_token_id=eos, eos_token_id=eos
+                )[0, len(prompt) :].tolist()
                 assert s["token_ids"].tolist() == greedy, "vLLM's greedy answer differs from HF's"
                 ref = hf_logprobs(model, prompt, s["token_ids"].tolist())
                 assert (ref - s["logprobs"]).abs().max() < tol
@@ -268,24 +303,40 @@ def check_recompute_rebuilds_kv(model_args=(), tol=1e-3, n=32):
     assert best_stale > 1e-2, "the stale reference would match too: the test could not tell the regimes apart"
     assert stats["recomputed_tokens"] > 0
 
+
 # -----------------------------------------------------------------------------
 # the trainer's step on a small model (no vLLM)
 
 
 def small_model(vocab=97, seed=0):
     from transformers import AutoConfig, AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                  max_position_embeddings=512, tie_word_embeddings=True)
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
 
 
 def batch_of(lengths, vocab=97, seed=1):
     """Answers of very different lengths after prompts of different lengths."""
     g = torch.Generator().manual_seed(seed)
-    return [dict(prompt_ids=torch.randint(vocab, (5 + i % 7,), generator=g),
-                 token_ids=torch.randint(vocab, (n,), generator=g)) for i, n in enumerate(lengths)]
+    return [
+        dict(
+            prompt_ids=torch.randint(vocab, (5 + i % 7,), generator=g),
+            token_ids=torch.randint(vocab, (n,), generator=g),
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def with_logprobs(batch):
@@ -294,17 +345,57 @@ def with_logprobs(batch):
     return batch
 
 
-LOSS_CFG = dict(is_cap=2.0, clip_eps=0.2, icepop_low=0.5, icepop_high=5.0, geo_threshold=1.001, cispo_eps_low=1.0,
-                cispo_eps_high=4.0, gspo_eps_low=3e-4, gspo_eps_high=4e-4)  # config.py's defaults
+LOSS_CFG = dict(
+    is_cap=2.0,
+    clip_eps=0.2,
+    icepop_low=0.5,
+    icepop_high=5.0,
+    geo_threshold=1.001,
+    cispo_eps_low=1.0,
+    cispo_eps_high=4.0,
+    gspo_eps_low=3e-4,
+    gspo_eps_high=4e-4,
+)  # config.py's defaults
 
 # -----------------------------------------------------------------------------
 # the run directory against its contract (runlog.py's docstring)
 
-METRIC_KEYS = {"step", "wall_s", "version", "reward_mean", "loss", "trained_tokens", "stale_token_frac",
-               "lag_mean", "spanning_frac", "gen_tok_per_s", "sync_s", "trainer_wait_s", "gen_idle_s",
-               "discarded_tokens", "recomputed_tokens", "ess", "clipped_frac", "kl", "kl_stale", "kl_fresh"}
-ACTIVITIES = {"starting", "generating", "draining", "loading", "idle", "evaluating", "training", "syncing",
-              "waiting", "saving", "done", "stopped"}
+METRIC_KEYS = {
+    "step",
+    "wall_s",
+    "version",
+    "reward_mean",
+    "loss",
+    "trained_tokens",
+    "stale_token_frac",
+    "lag_mean",
+    "spanning_frac",
+    "gen_tok_per_s",
+    "sync_s",
+    "trainer_wait_s",
+    "gen_idle_s",
+    "discarded_tokens",
+    "recomputed_tokens",
+    "ess",
+    "clipped_frac",
+    "kl",
+    "kl_stale",
+    "kl_fresh",
+}
+ACTIVITIES = {
+    "starting",
+    "generating",
+    "draining",
+    "loading",
+    "idle",
+    "evaluating",
+    "training",
+    "syncing",
+    "waiting",
+    "saving",
+    "done",
+    "stopped",
+}
 
 
 def read(run, name):
@@ -335,7 +426,10 @@ def check_run(run, regime, steps):
     assert [m["version"] for m in metrics] == list(range(steps))
     events = read(run, "events.jsonl")
     n = cfg.get("engines", 1)
-    assert {e["proc"] for e in events} == {"trainer", *(["generator"] if n == 1 else [f"generator{i}" for i in range(n)])}
+    assert {e["proc"] for e in events} == {
+        "trainer",
+        *(["generator"] if n == 1 else [f"generator{i}" for i in range(n)]),
+    }
     assert {e["what"] for e in events if "what" in e} <= ACTIVITIES  # the others are marks (plot.py)
     assert any(e.get("what") == "loading" for e in events)
     for proc in {e["proc"] for e in events} - {"trainer"}:  # each engine loads each version once, in order
@@ -365,6 +459,7 @@ def check_run(run, regime, steps):
         assert all(m["recomputed_tokens"] == 0 for m in metrics)
     else:
         assert os.path.exists(os.path.join(run, "run.png"))
+
 
 # -----------------------------------------------------------------------------
 # the project's import graph (ast: nothing is imported to read it)

@@ -31,14 +31,16 @@ def test_help_shows_every_default(program, capsys):
     preset (what a plain run of that dataset or preset uses)."""
     text = help_text(PARSERS[program], capsys)
     assert "None" not in text
-    for flag, says in {"--steps": "default: synth 150, gsm8k/math 500; --preset long: 60",
-                       "--max-lag": "default: 1; --preset long: 2",
-                       "--dataset": "default: synth",
-                       "--model": "default: synth tiny, gsm8k/math Qwen/Qwen3-0.6B; --preset long: tiny-long",
-                       "--max-num-seqs": "default: synth 256, gsm8k/math 512",
-                       "--pace-target": "default: synth 24, gsm8k/math 48"}.items():
-        options = text[text.index(" options: "):]
-        assert says in options[options.index(f" {flag} "):][:300], flag  # in its own help
+    for flag, says in {
+        "--steps": "default: synth 150, gsm8k/math 500; --preset long: 60",
+        "--max-lag": "default: 1; --preset long: 2",
+        "--dataset": "default: synth",
+        "--model": "default: synth tiny, gsm8k/math Qwen/Qwen3-0.6B; --preset long: tiny-long",
+        "--max-num-seqs": "default: synth 256, gsm8k/math 512",
+        "--pace-target": "default: synth 24, gsm8k/math 48",
+    }.items():
+        options = text[text.index(" options: ") :]
+        assert says in options[options.index(f" {flag} ") :][:300], flag  # in its own help
 
 
 @pytest.mark.parametrize("program", PARSERS)

@@ -12,8 +12,7 @@ from collections import Counter
 import pytest
 
 from exercise_mutants import CHEAP, MUTANTS
-from tools.exercise import (EXERCISES, KEPT_BACK, ROOT, SKIP, answer, check, check_many, copy_code, make,
-                            replace)
+from tools.exercise import EXERCISES, KEPT_BACK, ROOT, SKIP, answer, check, check_many, copy_code, make, replace
 
 
 @pytest.mark.fast
@@ -57,8 +56,11 @@ def test_the_copy_holds_no_answer(name, tmp_path):
     lines, kept = answer(name), text_lines(copy)
     project = text_lines(ROOT)
     for d in KEPT_BACK:
-        project.subtract(text_lines(os.path.join(ROOT, d)) if os.path.isdir(os.path.join(ROOT, d))
-                         else Counter(line.strip() for line in open(os.path.join(ROOT, d))))
+        project.subtract(
+            text_lines(os.path.join(ROOT, d))
+            if os.path.isdir(os.path.join(ROOT, d))
+            else Counter(line.strip() for line in open(os.path.join(ROOT, d)))
+        )
     own = [line for line in lines if project[line] == lines.count(line)]  # in the answer only
     assert own, "the answer has no line of its own: this test would check nothing"
     for line in lines:

@@ -43,7 +43,7 @@ def test_killed_generator_is_noticed_fast():
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) > 1:  # on CPU every generator thread keeps to its half of the cores (devices.resolve_devices)
             threads = os.listdir(f"/proc/{gen.procs[0].pid}/task")
-            assert {frozenset(os.sched_getaffinity(int(t))) for t in threads} == {frozenset(cores[:len(cores) // 2])}
+            assert {frozenset(os.sched_getaffinity(int(t))) for t in threads} == {frozenset(cores[: len(cores) // 2])}
         os.kill(gen.procs[0].pid, signal.SIGKILL)
         t0 = time.time()
         with pytest.raises(GeneratorDied, match="died"):
@@ -66,10 +66,29 @@ def test_engine_settings_and_no_preemption():
     from transformers import AutoTokenizer
     from data import load_problems
     from engine import Generator, kv_capacity, make_engine
-    cfg = parse_config(["--regime", "stale", "--out", "out/test", "--synth-steps", "8", "--max-new-tokens", "96",
-                        "--max-model-len", "256", "--prompts-per-step", "4", "--group-size", "2", "--max-lag", "0"])
+
+    cfg = parse_config(
+        [
+            "--regime",
+            "stale",
+            "--out",
+            "out/test",
+            "--synth-steps",
+            "8",
+            "--max-new-tokens",
+            "96",
+            "--max-model-len",
+            "256",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "2",
+            "--max-lag",
+            "0",
+        ]
+    )
     cores = os.sched_getaffinity(0)
-    env, = prepare(cfg)
+    (env,) = prepare(cfg)
     os.sched_setaffinity(0, cores)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env, INFLIGHT_GEN_CORES="")  # the engine in this process, as bench_sync.py makes it
@@ -111,10 +130,27 @@ def test_recompute_counts_each_rebuild_once():
     from data import load_problems
     from engine import Generator, make_engine
     from regimes import Recompute
-    cfg = parse_config(["--regime", "recompute", "--out", "out/test", "--synth-steps", "8", "--max-new-tokens", "96",
-                        "--prompts-per-step", "12", "--group-size", "4", "--max-lag", "0"])
+
+    cfg = parse_config(
+        [
+            "--regime",
+            "recompute",
+            "--out",
+            "out/test",
+            "--synth-steps",
+            "8",
+            "--max-new-tokens",
+            "96",
+            "--prompts-per-step",
+            "12",
+            "--group-size",
+            "4",
+            "--max-lag",
+            "0",
+        ]
+    )
     cores = os.sched_getaffinity(0)
-    env, = prepare(cfg)
+    (env,) = prepare(cfg)
     os.sched_setaffinity(0, cores)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env, INFLIGHT_GEN_CORES="")
@@ -123,8 +159,13 @@ def test_recompute_counts_each_rebuild_once():
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    gen = Generator(cfg, engine, load_problems("synth", "train", n=16, steps=8),
-                    AutoTokenizer.from_pretrained(cfg["model_path"]), [])
+    gen = Generator(
+        cfg,
+        engine,
+        load_problems("synth", "train", n=16, steps=8),
+        AutoTokenizer.from_pretrained(cfg["model_path"]),
+        [],
+    )
     gen.load_weights = lambda version, specs: setattr(gen, "version", version)
     scheduler, rebuilt = engine.engine_core.engine_core.scheduler, []
     schedule = scheduler.schedule
@@ -136,6 +177,7 @@ def test_recompute_counts_each_rebuild_once():
             if r is not None and len(req.prompt_token_ids) > len(r.prompt_ids):
                 rebuilt.append(out.num_scheduled_tokens[req.req_id])
         return out
+
     scheduler.schedule = counted
     gen.admit()
     for _ in range(20):  # 48 answers, ~20 tokens each

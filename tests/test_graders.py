@@ -43,7 +43,11 @@ def test_record_by_hand():
     r.kv_version = None  # what Recompute.switch does
     assert r.record([8], [-0.4], 2, 5, 5.0, 6.0) == 7  # prompt 3 + partial answer 4 prefilled again
     assert (r.tokens, r.logprobs, r.versions, r.stale) == (
-        [5, 6, 9, 7, 8], [-0.1, -0.2, -0.25, -0.3, -0.4], [0, 0, 0, 1, 2], [False, False, False, True, False])
+        [5, 6, 9, 7, 8],
+        [-0.1, -0.2, -0.25, -0.3, -0.4],
+        [0, 0, 0, 1, 2],
+        [False, False, False, True, False],
+    )
     assert r.recomputed == 7 and r.kv_version == 2
     assert r.prefills == [[0.0, 1.0, 0, 3, "prompt"], [5.0, 6.0, 2, 7, "recompute"]]
     assert r.segments == [[0.0, 2.0, 0, 3, False], [2.0, 3.0, 1, 1, True], [5.0, 6.0, 2, 1, False]]
@@ -77,8 +81,12 @@ def test_recompute_switch_by_hand():
         answers.append(r)
     gen = FakeGenerator(answers)
     assert regimes.Recompute().switch(gen, 1, "w1") is True
-    assert gen.calls == ["abort", ("load", 1, "w1"), ("submit", 0, None, [5, 6], [0, 0]),
-                         ("submit", 1, None, [6, 6], [0, 0])]
+    assert gen.calls == [
+        "abort",
+        ("load", 1, "w1"),
+        ("submit", 0, None, [5, 6], [0, 0]),
+        ("submit", 1, None, [6, 6], [0, 0]),
+    ]
     assert [r.logprobs for r in answers] == [[-0.5, -0.6]] * 2 and gen.stats["discarded_tokens"] == 0
     assert [r.discarded for r in answers] == [[], []]
 
@@ -86,9 +94,19 @@ def test_recompute_switch_by_hand():
 def generator(**kw):
     """The state Generator.may_admit reads: version 3 of a run resumed at version 1 whose
     groups started at 10, max_lag 1, 2 groups a step, 1 group rejected by the pool."""
-    state = dict(version=3, start_version=1, start_group=10, rejected=1, admitting=True, next_group=18,
-                 outbox=[], inflight={}, kv_answers=8, queue_size=2,
-                 cfg=dict(max_lag=1, prompts_per_step=2, group_size=4))
+    state = dict(
+        version=3,
+        start_version=1,
+        start_group=10,
+        rejected=1,
+        admitting=True,
+        next_group=18,
+        outbox=[],
+        inflight={},
+        kv_answers=8,
+        queue_size=2,
+        cfg=dict(max_lag=1, prompts_per_step=2, group_size=4),
+    )
     state.update(kw)
     return SimpleNamespace(**state)
 
@@ -121,9 +139,18 @@ def test_max_lag_outbox_and_kv_cache_by_hand():
 
 def group(group_id, versions, finished):
     """Two samples of one group, generated under `versions`, the last finishing at `finished`."""
-    return [dict(group_id=group_id, token_ids=torch.arange(len(versions), dtype=torch.int32),
-                 versions=torch.tensor(versions, dtype=torch.int32), stale=torch.zeros(len(versions), dtype=torch.bool),
-                 recomputed=0, finished=finished - 0.1 * i, submitted=0.0) for i in range(2)]
+    return [
+        dict(
+            group_id=group_id,
+            token_ids=torch.arange(len(versions), dtype=torch.int32),
+            versions=torch.tensor(versions, dtype=torch.int32),
+            stale=torch.zeros(len(versions), dtype=torch.bool),
+            recomputed=0,
+            finished=finished - 0.1 * i,
+            submitted=0.0,
+        )
+        for i in range(2)
+    ]
 
 
 def test_pace_breaks_ties_by_completion():
@@ -138,8 +165,10 @@ def test_pace_reject_by_hand():
     """Effective staleness at version 4, lam 0.5: group 0 (v3, waiting 1) 1, group 1 (v1,
     generation 0, waiting 3) 3, group 2 (tokens of v0 and v2: waiting 2, generation
     (2 + 0)/2 = 1) 2.5: over target 1 with n 2, one goes, group 1; with n 1, two."""
+
     def pool():
         return {0: group(0, [3, 3], 1.0), 1: group(1, [1, 1], 2.0), 2: group(2, [0, 2], 3.0)}
+
     p = pool()
     assert [g[0]["group_id"] for g in pace.reject_stalest(p, 2, 4, 0.5, 1)] == [1] and sorted(p) == [0, 2]
     p = pool()
@@ -154,8 +183,9 @@ def test_icepop_reports_a_masked_token_that_ppo_does_not_clip():
     logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
     mu = logp.detach() - torch.tensor([10.0, 2.0], dtype=torch.float64).log()
     cfg = dict(clip_eps=0.2, icepop_low=0.5, icepop_high=5.0)
-    per_token, clipped = grpo.loss_icepop(cfg, logp, logp.detach(), mu, torch.tensor([1.0, 1.0], dtype=torch.float64),
-                                          torch.tensor([0, 0]))
+    per_token, clipped = grpo.loss_icepop(
+        cfg, logp, logp.detach(), mu, torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([0, 0])
+    )
     per_token.sum().backward()
     assert per_token.tolist() == pytest.approx([0.0, -2.0]) and logp.grad.tolist() == pytest.approx([0.0, -2.0])
     assert clipped.tolist() == [True, False]

@@ -11,6 +11,8 @@ import ast
 import glob
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -28,10 +30,11 @@ def test_no_import_circle():
         state[m] = "open"
         for n in sorted(g.get(m, ())):
             if state.get(n) == "open":
-                raise AssertionError("import circle: " + " -> ".join(path[path.index(n):] + [n]))
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(n) :] + [n]))
             if n not in state:
                 visit(n, path + [n])
         state[m] = "done"
+
     for m in sorted(g):
         if m not in state:
             visit(m, [m])
@@ -91,12 +94,16 @@ def test_no_test_file_imports_another():
 
 def test_the_test_import_check_can_fail(tmp_path):
     """The check itself: imports of a test module, at the top or inside a function, are found."""
-    (tmp_path / "a.py").write_text("import os\nfrom helpers import start\n\n\ndef f():\n"
-                                   "    from test_train import LOSS_CFG\n")
+    (tmp_path / "a.py").write_text(
+        "import os\nfrom helpers import start\n\n\ndef f():\n    from test_train import LOSS_CFG\n"
+    )
     (tmp_path / "b.py").write_text("import tests.test_layout\nfrom tests import test_smoke\nimport smoke_check\n")
     assert imported_tests(str(tmp_path / "a.py"), set()) == {"test_train", "test_train.LOSS_CFG"}
-    assert imported_tests(str(tmp_path / "b.py"), {"smoke_check"}) == {"tests.test_layout", "tests.test_smoke",
-                                                                        "smoke_check"}
+    assert imported_tests(str(tmp_path / "b.py"), {"smoke_check"}) == {
+        "tests.test_layout",
+        "tests.test_smoke",
+        "smoke_check",
+    }
 
 
 def slug(heading):
@@ -146,10 +153,16 @@ def test_readme_is_a_first_page_and_cites_nothing_outside():
     first = text[:1500]
     assert "bash install_cpu.sh && .venv/bin/python lesson.py" in first
     assert "bash install_cpu.sh && .venv/bin/python -m pytest" in first
-    files = [p for p in glob.glob(os.path.join(ROOT, "**", "*.*"), recursive=True)
-             if p.endswith((".py", ".md", ".sh", ".txt")) and "/.venv/" not in p and "/out/" not in p]
-    bad = [os.path.relpath(p, ROOT) for p in files if re.search(r"DESIGN\.md|STYLE\.md|\.\./shared", open(p).read())
-           and not p.endswith("test_layout.py")]
+    files = [
+        p
+        for p in glob.glob(os.path.join(ROOT, "**", "*.*"), recursive=True)
+        if p.endswith((".py", ".md", ".sh", ".txt")) and "/.venv/" not in p and "/out/" not in p
+    ]
+    bad = [
+        os.path.relpath(p, ROOT)
+        for p in files
+        if re.search(r"DESIGN\.md|STYLE\.md|\.\./shared", open(p).read()) and not p.endswith("test_layout.py")
+    ]
     assert len(files) > 30 and not bad, bad
 
 
@@ -159,8 +172,8 @@ def test_the_readme_results_are_the_course_tables():
     README restates the course's measurement and has no number of its own there."""
     readme = open(os.path.join(ROOT, "README.md")).read()
     course = open(os.path.join(ROOT, "docs", "course.md")).read()
-    found = readme[readme.index("## What we found"):]
-    found = found[:found.index("\n## ", 1)]
+    found = readme[readme.index("## What we found") :]
+    found = found[: found.index("\n## ", 1)]
     rows = re.findall(r"^\| `(\w+)` \| (.+) \|$", found, flags=re.M)
     number = r"-?\d+(?:\.\d+)?"
     missing = []
@@ -169,6 +182,8 @@ def test_the_readme_results_are_the_course_tables():
         theirs = {float(x) for x in re.findall(number, mine.group(1))} if mine else set()
         missing += [f"{regime}: {x}" for x in re.findall(number, cells) if float(x) not in theirs]
     assert len(rows) == 5 and not missing, (len(rows), missing)
+
+
 def longest_chain(g):
     """The longest import chain of graph g, as a list of modules, the importer first.
     A module stands one floor above everything it imports; the floors are its length."""
@@ -176,10 +191,11 @@ def longest_chain(g):
 
     def chain(m, path=()):
         if m in path:
-            raise AssertionError("import circle: " + " -> ".join(path[path.index(m):] + (m,)))
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(m) :] + (m,)))
         if m not in memo:
             memo[m] = [m] + max((chain(n, path + (m,)) for n in sorted(g.get(m, ()))), key=len, default=[])
         return memo[m]
+
     return max((chain(m) for m in sorted(g)), key=len, default=[])
 
 
@@ -190,7 +206,9 @@ def test_import_floors():
     """The lesson's modules (the root) stand on at most FLOORS floors: the longest chain of
     imports (lazy ones included) is lesson or train -> config -> grpo -> reward -> data. A
     helper lives beside what it serves, not in a module that pulls its importer up a floor."""
-    g = {m: {n for n in deps if not n.startswith("tools.")} for m, deps in graph().items() if not m.startswith("tools.")}
+    g = {
+        m: {n for n in deps if not n.startswith("tools.")} for m, deps in graph().items() if not m.startswith("tools.")
+    }
     chain = longest_chain(g)
     print("longest import chain:", " -> ".join(chain))
     assert len(chain) <= FLOORS, f"{len(chain)} floors: " + " -> ".join(chain)
@@ -201,8 +219,13 @@ def drawing_names():
     (upper-case constants, for a figure drawn elsewhere in the same colours)."""
     tree = ast.parse(open(os.path.join(ROOT, "plot.py")).read())
     figures = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("plot_")}
-    palettes = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-                if isinstance(t, ast.Name) and t.id.isupper()}
+    palettes = {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id.isupper()
+    }
     return figures | palettes
 
 
@@ -229,3 +252,12 @@ def test_the_floor_count_can_fail():
     assert longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ["a", "b", "c"]
     with pytest.raises(AssertionError, match="a -> b -> a"):
         longest_chain({"a": {"b"}, "b": {"a"}})
+
+
+def test_style():
+    """ruff, as ruff.toml configures it (line length 120, pycodestyle and pyflakes): the
+    tree is formatted and lints clean. To fix: .venv/bin/ruff format . && .venv/bin/ruff check ."""
+    ruff = os.path.join(os.path.dirname(sys.executable), "ruff")
+    for args in (["format", "--check", "--quiet"], ["check", "--quiet", "--output-format", "concise"]):
+        out = subprocess.run([ruff, *args, ROOT], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, f"ruff {args[0]}:\n{out.stdout}{out.stderr}"

@@ -24,8 +24,19 @@ from helpers import ROOT, graph
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
 # 6 steps of 4 groups of 4 long answers: every push lands while answers are being written
-ARGS = ("--preset", "long", "--steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-        "--no-plot")
+ARGS = (
+    "--preset",
+    "long",
+    "--steps",
+    "6",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-every",
+    "0",
+    "--no-plot",
+)
 REGIMES = ["sync", "drain", "discard", "stale", "recompute"]
 ENGINE = []
 
@@ -34,6 +45,7 @@ def run(regime, out, *extra):
     """lesson.main in this process, on the shared engine; returns its run directory."""
     if not ENGINE:
         from engine import make_engine
+
         ENGINE.append(make_engine(lesson.parse_config(["--regime", regime, *ARGS])))
     lesson.main(["--regime", regime, *ARGS, "--out", str(out), *extra], engine=ENGINE[0])
     return str(out)
@@ -93,8 +105,12 @@ def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
         assert stale > 0 and spanning and not discarded and not rebuilt
     if regime == "recompute":  # the KV of each half-written answer rebuilt once per switch
         assert stale == 0 and spanning and rebuilt and not discarded
-        assert all(p[3] == x["prompt_len"] + sum(seg[3] for seg in x["segments"] if seg[0] < p[0])
-                   for x in answers for p in x["prefills"] if p[4] == "recompute")
+        assert all(
+            p[3] == x["prompt_len"] + sum(seg[3] for seg in x["segments"] if seg[0] < p[0])
+            for x in answers
+            for p in x["prefills"]
+            if p[4] == "recompute"
+        )
 
 
 @pytest.mark.parametrize("max_lag", [0, 1])
@@ -139,8 +155,9 @@ def test_weights_load_when_the_clock_says(regime, tmp_path):
             assert load["t0"] < r + step_max
         assert m["wall_s"] == load["t1"] and m["sync_s"] == pytest.approx(load["t1"] - r, abs=1e-9)
     # tools/clock_costs.py, which measures a train.py run's costs for the lesson, reads these back
-    out = subprocess.run([sys.executable, "tools/clock_costs.py", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "tools/clock_costs.py", str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
     measured = {flag[2:].replace("-", "_"): float(v) for flag, v in zip(out[-8::2], out[-7::2])}
     assert measured == pytest.approx({k: cfg[k] for k in ("step_s", "prefill_s", "train_s", "load_s")}, rel=1e-3)
 
@@ -151,16 +168,26 @@ def test_two_processes_give_the_same_files(tmp_path):
     runs = []
     for name, seed in (("a", "1"), ("b", "2")):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        r = subprocess.run([sys.executable, "lesson.py", "--regime", "stale", *ARGS, "--steps", "3",
-                            "--out", str(tmp_path / name)], capture_output=True, text=True, timeout=600, env=env)
+        r = subprocess.run(
+            [sys.executable, "lesson.py", "--regime", "stale", *ARGS, "--steps", "3", "--out", str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs.append(str(tmp_path / name))
     for name in ("metrics.jsonl", "answers.jsonl"):
         assert open(os.path.join(runs[0], name)).read() == open(os.path.join(runs[1], name)).read()
 
 
-@pytest.mark.parametrize("flags", [["--loss", "ppo", "--loss-agg", "answer"],  # the non-default paths
-                                   ["--loss", "gspo", "--minibatches", "2"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--loss", "ppo", "--loss-agg", "answer"],  # the non-default paths
+        ["--loss", "gspo", "--minibatches", "2"],
+    ],
+)
 def test_the_step_is_train_pys(flags, tmp_path):
     """lesson.train_on and train.py's optimize (one rank) on the same batch and
     weights: the same loss, gradient norm and new weights, bit for bit; with several
@@ -169,6 +196,7 @@ def test_the_step_is_train_pys(flags, tmp_path):
     import train
     from grpo import minibatches, score_batch, token_weights
     from ranks import Ranks
+
     cfg = lesson.parse_config(flags)
     tok = AutoTokenizer.from_pretrained(cfg["model_path"])
     texts = ["3+4=7. #### 7", "3+4=8. #### 8", "5-1=4. #### 4", "nothing"] * 2  # two groups of 4
@@ -177,21 +205,30 @@ def test_the_step_is_train_pys(flags, tmp_path):
     batch = []
     for i, t in enumerate(texts):
         ids = torch.tensor(tok(t, add_special_tokens=False)["input_ids"])
-        batch.append(dict(prompt_ids=torch.tensor(tok("Ann has 3.", add_special_tokens=False)["input_ids"]),
-                          token_ids=ids, logprobs=-torch.rand(len(ids), generator=g) - 0.5,
-                          answer="7" if i < 4 else "4",
-                          finish_reason="stop", versions=torch.zeros(len(ids), dtype=torch.int32),
-                          stale=torch.zeros(len(ids), dtype=torch.bool)))
+        batch.append(
+            dict(
+                prompt_ids=torch.tensor(tok("Ann has 3.", add_special_tokens=False)["input_ids"]),
+                token_ids=ids,
+                logprobs=-torch.rand(len(ids), generator=g) - 0.5,
+                answer="7" if i < 4 else "4",
+                finish_reason="stop",
+                versions=torch.zeros(len(ids), dtype=torch.int32),
+                stale=torch.zeros(len(ids), dtype=torch.bool),
+            )
+        )
     models = [AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32) for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=0.0) for m in models]
     ours = lesson.train_on(cfg, models[0], opts[0], tok, 3, batch, 0)
     adv, scores = score_batch(cfg, tok, batch)
     assert adv.abs().sum() > 0 and scores["reward_mean"] == ours["reward_mean"] == 0.25
-    parts = [([batch[i] for i in idx], adv[idx], token_weights(cfg, [batch[i] for i in idx]), 0)
-             for idx in minibatches(len(batch), cfg["minibatches"])]
+    parts = [
+        ([batch[i] for i in idx], adv[idx], token_weights(cfg, [batch[i] for i in idx]), 0)
+        for idx in minibatches(len(batch), cfg["minibatches"])
+    ]
     theirs = train.optimize(cfg, models[1], opts[1], Ranks(), 3, parts, "cpu")
     assert (ours["loss"], ours["grad_norm"], ours["kl"]) == (theirs["loss"], theirs["grad_norm"], theirs["kl"])
     for (k, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(p, q), k
-    assert not torch.equal(models[0].model.norm.weight, AutoModelForCausalLM.from_pretrained(
-        cfg["model_path"]).model.norm.weight), "the step moved nothing: the comparison proves nothing"
+    assert not torch.equal(
+        models[0].model.norm.weight, AutoModelForCausalLM.from_pretrained(cfg["model_path"]).model.norm.weight
+    ), "the step moved nothing: the comparison proves nothing"

@@ -29,8 +29,17 @@ import grpo
 LOGP = [-1.0, -2.0, -0.5]
 R, D = [3.0, 0.6, 0.25], [1.5, 1.0, 0.7]
 ADV, ANSWER = [1.0, 1.0, -1.0], [0, 0, 1]
-CFG = dict(clip_eps=0.2, is_cap=2.0, icepop_low=0.5, icepop_high=5.0, geo_threshold=1.5,
-           cispo_eps_low=0.5, cispo_eps_high=1.0, gspo_eps_low=0.2, gspo_eps_high=0.5)
+CFG = dict(
+    clip_eps=0.2,
+    is_cap=2.0,
+    icepop_low=0.5,
+    icepop_high=5.0,
+    geo_threshold=1.5,
+    cispo_eps_low=0.5,
+    cispo_eps_high=1.0,
+    gspo_eps_low=0.2,
+    gspo_eps_high=0.5,
+)
 K2 = 0.25 / 0.7  # token 2's pi_old/mu
 S0 = math.sqrt(3.0 * 0.6)  # answer 0's GSPO ratio: the geometric mean of its tokens' R
 
@@ -66,8 +75,9 @@ def test_loss_by_hand(name):
     logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
     mu = logp.detach() - torch.tensor(R, dtype=torch.float64).log()
     old = logp.detach() - torch.tensor(D, dtype=torch.float64).log()
-    per_token, clipped = grpo.LOSSES[name](CFG, logp, old, mu, torch.tensor(ADV, dtype=torch.float64),
-                                           torch.tensor(ANSWER))
+    per_token, clipped = grpo.LOSSES[name](
+        CFG, logp, old, mu, torch.tensor(ADV, dtype=torch.float64), torch.tensor(ANSWER)
+    )
     per_token.sum().backward()
     want_loss, want_grad, want_clipped = BY_HAND[name]
     assert per_token.tolist() == pytest.approx(want_loss, abs=1e-9)
@@ -94,8 +104,12 @@ def test_offpolicy_metrics_by_hand():
     """Two tokens with pi/mu = 2 (fresh, lag 0, clipped) and 0.5 (stale KV, lag 3):
     ESS (2 + 0.5)^2 / (2 (4 + 0.25)) = 0.735294; k3 = (w - 1 - log w): 0.306853 and
     0.193147, mean 0.25; one of two clipped. Per split: each token alone, ESS 1."""
-    sums = grpo.offpolicy_sums(torch.tensor([math.log(2), math.log(0.5)]), torch.tensor([True, False]),
-                               torch.tensor([False, True]), torch.tensor([0, 3]))
+    sums = grpo.offpolicy_sums(
+        torch.tensor([math.log(2), math.log(0.5)]),
+        torch.tensor([True, False]),
+        torch.tensor([False, True]),
+        torch.tensor([0, 3]),
+    )
     m = grpo.offpolicy_metrics(sums)
     assert m["ess"] == pytest.approx(0.735294, abs=1e-6) and m["kl"] == pytest.approx(0.25, abs=1e-6)
     assert m["clipped_frac"] == 0.5

@@ -58,8 +58,10 @@ def setup(tmp_path_factory):
 def params(max_tokens=96):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False,
-                          output_kind=RequestOutputKind.DELTA)
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA
+    )
 
 
 def ours(setup, regime):
@@ -90,6 +92,7 @@ def native(setup, mode):
             c = out.outputs[0]
             tokens.setdefault(out.request_id, []).extend(c.token_ids)
             logprobs.setdefault(out.request_id, []).extend(d[t].logprob for t, d in zip(c.token_ids, c.logprobs))
+
     for i, p in enumerate(prompts):
         engine.add_request(f"native{i}", dict(prompt_token_ids=p), params())
     for _ in range(K):
@@ -116,8 +119,10 @@ def native(setup, mode):
     return [(tokens[i], logprobs[i]) for i in ids]
 
 
-@pytest.mark.parametrize("regime, mode", [("stale", "stale"), ("recompute", "recompute"), ("recompute", "keep_clear"),
-                                          ("discard", "discard")])
+@pytest.mark.parametrize(
+    "regime, mode",
+    [("stale", "stale"), ("recompute", "recompute"), ("recompute", "keep_clear"), ("discard", "discard")],
+)
 def test_our_regime_is_vllms_own_mode(setup, regime, mode):
     """keep_clear: vLLM's pause in "keep" mode with its default clear_cache=True resets the
     running requests' KV, which is recompute, not stale."""
@@ -164,14 +169,17 @@ def test_drain_is_vllms_wait_mode(setup, tmp_path):
     while gen.inflight:
         gen.step()
     done = {s["sample_id"]: s for kind, s in outbox if kind == "sample"}
-    ours = [(done[i]["token_ids"].tolist(), done[i]["logprobs"].tolist()) for i in
-            [f"a{i}" for i in range(8)] + [f"b{i}" for i in range(8)]]
+    ours = [
+        (done[i]["token_ids"].tolist(), done[i]["logprobs"].tolist())
+        for i in [f"a{i}" for i in range(8)] + [f"b{i}" for i in range(8)]
+    ]
     out = tmp_path / "native.json"
     json.dump(dict(prompts=prompts, more=more), open(out, "w"))
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
-    r = subprocess.run([sys.executable, __file__, str(out), cfg["new_file"]], capture_output=True, text=True,
-                       timeout=600, env=env)
+    r = subprocess.run(
+        [sys.executable, __file__, str(out), cfg["new_file"]], capture_output=True, text=True, timeout=600, env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     theirs = json.load(open(out))["answers"]
     assert [t for t, _ in ours] == [t for t, _ in theirs]
@@ -194,9 +202,12 @@ def wait_mode(path, weights_file):
     sleep(0, "wait"), the new weights, the more prompts, wake_up."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine core in a process of its own
     from engine import make_engine
+
     job = json.load(open(path))
-    engine = make_engine(parse_config(["--regime", "drain", "--synth-steps", "8", "--max-new-tokens", "96"]),
-                         worker_extension="test_native.FileLoader")
+    engine = make_engine(
+        parse_config(["--regime", "drain", "--synth-steps", "8", "--max-new-tokens", "96"]),
+        worker_extension="test_native.FileLoader",
+    )
     assert type(engine.engine_core).__name__ == "SyncMPClient"
     answers = {}
 
@@ -206,6 +217,7 @@ def wait_mode(path, weights_file):
             t, lp = answers.setdefault(out.request_id, ([], []))
             t.extend(c.token_ids)
             lp.extend(d[x].logprob for x, d in zip(c.token_ids, c.logprobs))
+
     for i, p in enumerate(job["prompts"]):
         engine.add_request(f"a{i}", dict(prompt_token_ids=p), params())
     for _ in range(K):

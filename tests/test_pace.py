@@ -5,8 +5,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pace import (Pool, default_target, effective_staleness, generation_staleness, pool_stats,
-                  take_groups_fifo, take_groups_pace, waiting_staleness)
+from pace import (
+    Pool,
+    default_target,
+    effective_staleness,
+    generation_staleness,
+    pool_stats,
+    take_groups_fifo,
+    take_groups_pace,
+    waiting_staleness,
+)
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
@@ -14,10 +22,15 @@ PROPS = settings(deadline=None, max_examples=200, suppress_health_check=[HealthC
 
 
 def make_sample(group_id, versions, finished, recomputed=0):
-    return dict(group_id=group_id, token_ids=torch.arange(len(versions), dtype=torch.int32),
-                versions=torch.tensor(versions, dtype=torch.int32),
-                stale=torch.zeros(len(versions), dtype=torch.bool),
-                recomputed=recomputed, finished=finished, submitted=0.0)
+    return dict(
+        group_id=group_id,
+        token_ids=torch.arange(len(versions), dtype=torch.int32),
+        versions=torch.tensor(versions, dtype=torch.int32),
+        stale=torch.zeros(len(versions), dtype=torch.bool),
+        recomputed=recomputed,
+        finished=finished,
+        submitted=0.0,
+    )
 
 
 def make_group(group_id, versions, finished, size=2):
@@ -41,8 +54,9 @@ def test_formulas():
 
 def test_recompute_does_not_refresh_prefix():
     # the rebuilt KV changes the conditioning, not who sampled the prefix tokens
-    assert generation_staleness(make_sample(0, [1, 1, 2], 1.0, recomputed=2)) == \
-        generation_staleness(make_sample(0, [1, 1, 2], 1.0))
+    assert generation_staleness(make_sample(0, [1, 1, 2], 1.0, recomputed=2)) == generation_staleness(
+        make_sample(0, [1, 1, 2], 1.0)
+    )
 
 
 def test_long_answer_with_one_old_token_is_fresher_than_short_old_answer():
@@ -55,8 +69,10 @@ def test_long_answer_with_one_old_token_is_fresher_than_short_old_answer():
 
 
 def test_rejects_highest_effective_staleness_first():
-    pool = {g: make_group(g, v, f) for g, v, f in
-            [(0, [9, 9], 1.0), (1, [2, 9], 2.0), (2, [5, 5], 3.0), (3, [8, 9], 4.0), (4, [1, 1], 5.0)]}
+    pool = {
+        g: make_group(g, v, f)
+        for g, v, f in [(0, [9, 9], 1.0), (1, [2, 9], 2.0), (2, [5, 5], 3.0), (3, [8, 9], 4.0), (4, [1, 1], 5.0)]
+    }
     eff = {g: effective_staleness(pool[g], 10, 1.0) for g in pool}
     consumed, rejected = take_groups_pace(pool, 2, version=10, lam=1.0, target=3)
     assert ids(rejected) == sorted(eff, key=eff.get, reverse=True)[:2] == [4, 2]
@@ -168,7 +184,7 @@ def pools(draw):
         for _ in range(size):
             steps = draw(st.lists(st.integers(0, 2), max_size=12))
             start = draw(st.integers(0, 5))
-            versions = [start + sum(steps[:i + 1]) for i in range(len(steps))]  # non-decreasing
+            versions = [start + sum(steps[: i + 1]) for i in range(len(steps))]  # non-decreasing
             samples.append(make_sample(g, versions, draw(st.floats(0, 100))))
         pool[g] = samples
     return pool

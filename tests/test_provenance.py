@@ -31,6 +31,7 @@ def run_with_switch(regime):
     at the switch has finished. Returns (samples, the load's mark, gen_stats)."""
     from transformers import AutoModelForCausalLM
     from config import model_path
+
     weights = AutoModelForCausalLM.from_pretrained(model_path("tiny")).state_dict()  # ready before generation starts
     gen, cfg = start(regime, *LONGER, "--max-lag", "1")
     samples, marks = [], []
@@ -98,7 +99,7 @@ def test_provenance_of_a_switch(regime):
         assert recomputed > 0
         for s in spanning(samples):
             p = s["provenance"]
-            (t0, t1, v, n, kind), = [f for f in p["prefills"] if f[4] == "recompute"]
+            ((t0, t1, v, n, kind),) = [f for f in p["prefills"] if f[4] == "recompute"]
             k = int((s["versions"] == 0).sum())  # the partial answer: prompt + k tokens prefilled again
             assert v == 1 and t0 >= load["t1"] and n == p["prompt_len"] + k == s["recomputed"]
         assert not any(s["stale"].any() for s in samples)
@@ -109,10 +110,27 @@ def test_answers_figure_and_ledger(tmp_path):
     lanes and the ledger are checked against the run's own files."""
     from plot import plot_answers
     from runlog import read_jsonl
+
     run = str(tmp_path / "stale")
-    r = subprocess.run([sys.executable, "train.py", "--regime", "stale", "--out", run, "--steps", "4",
-                        "--eval-every", "0", "--no-plot", *LONG[:-2]],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--regime",
+            "stale",
+            "--out",
+            run,
+            "--steps",
+            "4",
+            "--eval-every",
+            "0",
+            "--no-plot",
+            *LONG[:-2],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "wasted-work ledger" in r.stdout
     path, (sel,) = plot_answers([run], lanes=10)
@@ -120,8 +138,11 @@ def test_answers_figure_and_ledger(tmp_path):
     answers = read_jsonl(os.path.join(run, "answers.jsonl"))
     assert 0 < len(sel["answers"]) <= 10 and sel["switch"]["version"] >= 2
     push = sel["switch"]["push"]  # the trainer's last "syncing" before the load
-    assert push == max(e["t"] for e in read_jsonl(os.path.join(run, "events.jsonl"))
-                       if e.get("what") == "syncing" and e["t"] <= sel["switch"]["t0"])
+    assert push == max(
+        e["t"]
+        for e in read_jsonl(os.path.join(run, "events.jsonl"))
+        if e.get("what") == "syncing" and e["t"] <= sel["switch"]["t0"]
+    )
     alive = [a for a in answers if a["admitted"] < push < a["finished"]]
     ids, alive = {a["sample_id"] for a in sel["answers"]}, {a["sample_id"] for a in alive}
     assert alive and (alive <= ids if len(alive) <= 10 else ids <= alive)  # the rule: answers alive first

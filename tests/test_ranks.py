@@ -24,8 +24,23 @@ import torch
 from helpers import wait_for  # read train.py's stdout up to a line
 
 HERE = os.path.abspath(__file__)
-SMALL = ["--eval-every", "2", "--eval-n", "8", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "6",
-         "--max-new-tokens", "64", "--no-plot", "--engines", "2"]
+SMALL = [
+    "--eval-every",
+    "2",
+    "--eval-n",
+    "8",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--synth-steps",
+    "6",
+    "--max-new-tokens",
+    "64",
+    "--no-plot",
+    "--engines",
+    "2",
+]
 
 
 def torchrun(*args, timeout=900, **kw):
@@ -39,6 +54,7 @@ def run(cmd, timeout=900, cwd=None):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
+
 # -----------------------------------------------------------------------------
 # one step on 2 ranks == one step in one process
 
@@ -47,6 +63,7 @@ def the_batch():
     """Answers of very different lengths, some advantages 0 (not run), so that the
     ranks get uneven tokens and different numbers of micro-batches."""
     from helpers import batch_of, small_model, with_logprobs
+
     batch = with_logprobs(batch_of([3, 150, 7, 90, 1, 40, 64, 11, 33]))
     adv = torch.tensor([1.0, -1.0, 0.0, 2.0, -0.5, 0.0, 0.5, -2.0, 0.0])
     return small_model(), batch, adv
@@ -54,8 +71,16 @@ def the_batch():
 
 def step_cfg(loss):
     from helpers import LOSS_CFG
-    return dict(LOSS_CFG, loss=loss, temperature=0.7, micro_batch_tokens=150, geo_threshold=1.2,  # geo: keeps some
-                loss_agg="answer" if loss == "ppo" else "token", max_new_tokens=160)
+
+    return dict(
+        LOSS_CFG,
+        loss=loss,
+        temperature=0.7,
+        micro_batch_tokens=150,
+        geo_threshold=1.2,  # geo: keeps some
+        loss_agg="answer" if loss == "ppo" else "token",
+        max_new_tokens=160,
+    )
 
 
 def grads_job(out, losses, checkpointing):
@@ -65,6 +90,7 @@ def grads_job(out, losses, checkpointing):
     import torch.distributed as dist
     import grpo
     from ranks import Ranks
+
     torch.set_num_threads(1)
     ranks = Ranks()
     ranks.start("cpu")
@@ -76,10 +102,16 @@ def grads_job(out, losses, checkpointing):
     results = {}
     for loss in losses.split(","):
         cfg = step_cfg(loss)
-        share, share_adv, weights, n_micro = ranks.scatter(batch, adv, grpo.token_weights(cfg, batch), lambda answers: len(
-            grpo.micro_batches(answers, cfg["micro_batch_tokens"])))
-        mine = (sum(len(s["token_ids"]) for s in share), len(grpo.micro_batches(
-            [s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])))
+        share, share_adv, weights, n_micro = ranks.scatter(
+            batch,
+            adv,
+            grpo.token_weights(cfg, batch),
+            lambda answers: len(grpo.micro_batches(answers, cfg["micro_batch_tokens"])),
+        )
+        mine = (
+            sum(len(s["token_ids"]) for s in share),
+            len(grpo.micro_batches([s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])),
+        )
         model.zero_grad(set_to_none=True)
         total, gap, gap_tokens, *_ = ranks.sum(*grpo.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro))
         grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
@@ -91,8 +123,9 @@ def grads_job(out, losses, checkpointing):
     ranks.stop()
 
 
-@pytest.mark.parametrize("losses, checkpointing", [("tis", "off"), ("ppo,none,icepop,geo,cispo,gspo", "off"),
-                                                    ("tis", "on")])
+@pytest.mark.parametrize(
+    "losses, checkpointing", [("tis", "off"), ("ppo,none,icepop,geo,cispo,gspo", "off"), ("tis", "on")]
+)
 def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, tmp_path):
     """The loss is the token-level mean over the whole batch whatever the ranks: the
     gradient gathered from 2 FSDP2 ranks over a split batch equals one process's on the
@@ -102,6 +135,7 @@ def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, tmp_pa
     with activation checkpointing under FSDP2 (on by default on GPUs), against one
     process without it."""
     import grpo
+
     out = str(tmp_path / "grads.pt")
     run(torchrun(HERE, "grads", out, losses, checkpointing))
     for loss, got in torch.load(out, weights_only=False).items():
@@ -117,6 +151,7 @@ def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, tmp_pa
         for k, p in model.named_parameters():
             assert (got["grads"][k] - p.grad).abs().max() <= 1e-5 * scale, (loss, k)
 
+
 # -----------------------------------------------------------------------------
 # a push from 2 ranks reaches 2 engines exactly
 
@@ -130,9 +165,28 @@ def sync_job(out):
     from devices import prepare
     from ranks import Ranks
     from train import parse_config
+
     ranks = Ranks()
-    cfg = dict(parse_config(["--regime", "sync", "--out", out + ".run", "--prompts-per-step", "4", "--synth-steps",
-                             "3", "--max-new-tokens", "48", "--engines", "2"]), temperature=0.0, group_size=1)
+    cfg = dict(
+        parse_config(
+            [
+                "--regime",
+                "sync",
+                "--out",
+                out + ".run",
+                "--prompts-per-step",
+                "4",
+                "--synth-steps",
+                "3",
+                "--max-new-tokens",
+                "48",
+                "--engines",
+                "2",
+            ]
+        ),
+        temperature=0.0,
+        group_size=1,
+    )
     envs = prepare(cfg, ranks.world, ranks.local_rank)
     ranks.start("cpu")
     model = hf_model(cfg)
@@ -158,8 +212,9 @@ def sync_job(out):
     before.load_state_dict(original)
     for s in samples:
         prompt, tokens = s["prompt_ids"].tolist(), s["token_ids"].tolist()
-        greedy = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, pad_token_id=eos,
-                                    eos_token_id=eos)[0, len(prompt):].tolist()
+        greedy = reference.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=48, pad_token_id=eos, eos_token_id=eos
+        )[0, len(prompt) :].tolist()
         result["versions"] += s["versions"].tolist()
         result["same_tokens"].append(tokens == greedy)
         result["diff"].append((hf_logprobs(reference, prompt, tokens) - s["logprobs"]).abs().max().item())
@@ -179,6 +234,7 @@ def test_a_push_from_two_ranks_reaches_every_engine_exactly(tmp_path):
     assert all(r["same_tokens"]) and max(r["diff"]) < 1e-3, r
     assert min(r["unpushed"]) > 1e-2, r
 
+
 # -----------------------------------------------------------------------------
 # train.py under torchrun, 2 ranks and 2 engines
 
@@ -196,8 +252,18 @@ def test_end_to_end_two_ranks_two_engines(tmp_path):
     and rank 1 starting a second later must still write its optimizer shard into rank 0's
     directory: one directory, a complete checkpoint."""
     from helpers import check_run
-    run(torchrun(os.path.join(os.path.dirname(os.path.dirname(HERE)), "train.py"), "--regime", "stale", "--steps", "3",
-                 *SMALL), cwd=tmp_path)
+
+    run(
+        torchrun(
+            os.path.join(os.path.dirname(os.path.dirname(HERE)), "train.py"),
+            "--regime",
+            "stale",
+            "--steps",
+            "3",
+            *SMALL,
+        ),
+        cwd=tmp_path,
+    )
     made = os.listdir(tmp_path / "out")
     assert len(made) == 1, made
     run_dir = str(tmp_path / "out" / made[0])
@@ -207,8 +273,9 @@ def test_end_to_end_two_ranks_two_engines(tmp_path):
 
 
 def start(*args):
-    return subprocess.Popen(torchrun("train.py", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        torchrun("train.py", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def gone(procs, timeout):
@@ -232,8 +299,9 @@ def test_resume_two_ranks_after_kill_9(tmp_path):
     torchrun: rank 0 recovers it while rank 1 waits; each step once, versions
     consecutive, the optimizer's shards reloaded."""
     run_dir = str(tmp_path / "recompute")
-    proc = start("--regime", "recompute", "--out", run_dir, "--steps", "1000", "--save-every", "2", *SMALL,
-                 "--eval-every", "0")
+    proc = start(
+        "--regime", "recompute", "--out", run_dir, "--steps", "1000", "--save-every", "2", *SMALL, "--eval-every", "0"
+    )
     wait_for(proc, "step 3 ", timeout=600)
     procs = job(proc)
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun: its ranks, in sessions of their own, notice and exit

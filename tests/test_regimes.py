@@ -72,12 +72,14 @@ def test_waiting_for_the_other_engines_is_idle_not_loading():
     says when: generator.WeightReceiver): an engine that finished draining first waits,
     and that wait is idle time on its timeline and in gen_idle_s, not loading."""
     from lesson import SimClock
+
     gen, _, outbox, _ = generator("drain")
     gen.clock = clock = SimClock(dict(step_s=0.01, prefill_s=0.0, train_s=0.0, load_s=0.5))
 
     def receive(engine, version, weights):  # the other engine drains for 2 s more
         clock.t += 2.0
         return clock.t
+
     gen.receive = receive
     gen.load_weights(1, None)
     events = [e for kind, e in outbox if kind == "event"]

@@ -24,11 +24,31 @@ from helpers import read, wait_for
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "gsm8k.jsonl")
 
 
-CASES = ["truncated line", "missing field", "missing file", "model path", "resume nothing", "resume no ckpt",
-         "answer budget", "offline test split", "eval.py truncated line", "eval.py offline", "synth steps",
-         "preset dataset", "max num seqs", "format reward", "json object", "resume done", "eval.py answer budget",
-         "group size 1", "temperature 0", "resume past cosine", "pace target 0", "gpu on a cpu machine",
-         "lesson clock"]
+CASES = [
+    "truncated line",
+    "missing field",
+    "missing file",
+    "model path",
+    "resume nothing",
+    "resume no ckpt",
+    "answer budget",
+    "offline test split",
+    "eval.py truncated line",
+    "eval.py offline",
+    "synth steps",
+    "preset dataset",
+    "max num seqs",
+    "format reward",
+    "json object",
+    "resume done",
+    "eval.py answer budget",
+    "group size 1",
+    "temperature 0",
+    "resume past cosine",
+    "pace target 0",
+    "gpu on a cpu machine",
+    "lesson clock",
+]
 
 
 def bad_input(case, tmp):
@@ -43,6 +63,7 @@ def bad_input(case, tmp):
     if case.startswith("resume "):  # a run of 10 steps whose checkpoint is at step 5 (the tiny model's weights)
         import shutil
         import torch
+
         shutil.copytree(os.path.join("weights", "tiny"), tmp / "run_done" / "ckpt")
         torch.save(dict(step=5), tmp / "run_done" / "ckpt" / "trainer_state.pt")
         (tmp / "run_done" / "config.json").write_text(json.dumps({"steps": 10, "lr_schedule": "cosine"}))
@@ -50,8 +71,10 @@ def bad_input(case, tmp):
     train = ["train.py", "--out", str(tmp / "run"), "--no-plot"]
     evaluate = ["eval.py", "--model", "tiny", "--dataset", "gsm8k"]  # shares the loaders; its test flag: --data-file
     return {
-        "truncated line": ([*train, *gsm8k, "--data-file", str(tmp / "truncated.jsonl")],
-                           "truncated.jsonl:2: not valid JSON"),
+        "truncated line": (
+            [*train, *gsm8k, "--data-file", str(tmp / "truncated.jsonl")],
+            "truncated.jsonl:2: not valid JSON",
+        ),
         "missing field": ([*train, *gsm8k, "--data-file", str(tmp / "no_question.jsonl")], "no 'question' field"),
         "missing file": ([*train, *gsm8k, "--data-file", str(tmp / "nope.jsonl")], "--data-file"),
         "model path": ([*train, "--model", "/path/that/does/not/exist"], "neither a directory nor a Hub id"),
@@ -67,8 +90,10 @@ def bad_input(case, tmp):
         "format reward": ([*train, "--format-reward", "1.5"], "--format-reward must be in [0, 1]"),
         "json object": ([*train, *gsm8k, "--data-file", str(tmp / "object.json")], "one array of objects"),
         "resume done": ([*train, "--resume", str(tmp / "run_done"), "--steps", "3"], "checkpoint is at step 5"),
-        "resume past cosine": ([*train, "--resume", str(tmp / "run_done"), "--steps", "20"],
-                               "cosine schedule reaches lr 0 at step 10"),
+        "resume past cosine": (
+            [*train, "--resume", str(tmp / "run_done"), "--steps", "20"],
+            "cosine schedule reaches lr 0 at step 10",
+        ),
         "group size 1": ([*train, "--group-size", "1", "--max-num-seqs", "64"], "--group-size must be >= 2"),
         "temperature 0": ([*train, "--temperature", "0"], "--temperature must be > 0"),
         "eval.py answer budget": (["eval.py", "--model", "tiny", "--max-new-tokens", "600"], "lower it to"),
@@ -84,8 +109,14 @@ def test_bad_input_one_line_exit_2(case, tmp_path):
     # offline whatever the machine: the Hub at a closed port, and an empty cache
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, (out[-2000:], err[-3000:])
     lines = err.strip().splitlines()
@@ -108,10 +139,12 @@ def test_json_array_data_file(tmp_path):
     """A .json data file holding an array of rows (what `datasets` writes and reads) is
     read as the .jsonl with the same rows."""
     from data import load_problems
+
     rows = [json.loads(line) for line in open(FIXTURE)]
     (tmp_path / "rows.json").write_text(json.dumps(rows))
-    assert load_problems("gsm8k", "train", data_file=str(tmp_path / "rows.json")) == \
-        load_problems("gsm8k", "train", data_file=FIXTURE)
+    assert load_problems("gsm8k", "train", data_file=str(tmp_path / "rows.json")) == load_problems(
+        "gsm8k", "train", data_file=FIXTURE
+    )
 
 
 class Crash(Exception):
@@ -128,6 +161,7 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
     import rundir
     from ranks import Ranks
     from tools.tiny import RECIPE, build_model, build_tokenizer
+
     tok = build_tokenizer()
     model = build_model(len(tok), RECIPE)
     opt = torch.optim.AdamW(model.parameters())
@@ -162,8 +196,11 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
 
     save(1)
     resumes_at(1)
-    crashes = [(torch, "save", fail_torch_save, "previous"), (os, "rename", fail_rename_into_ckpt, "previous"),
-               (shutil, "rmtree", fail_final_cleanup, "new")]
+    crashes = [
+        (torch, "save", fail_torch_save, "previous"),
+        (os, "rename", fail_rename_into_ckpt, "previous"),
+        (shutil, "rmtree", fail_final_cleanup, "new"),
+    ]
     for step, (module, attr, failure, survivor) in enumerate(crashes, start=2):
         with monkeypatch.context() as m:
             m.setattr(module, attr, failure)
@@ -177,14 +214,31 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
         assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *rundir.LOGS])
 
 
-SMALL = ["--eval-every", "0", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "6",
-         "--max-new-tokens", "64", "--no-plot"]
+SMALL = [
+    "--eval-every",
+    "0",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--synth-steps",
+    "6",
+    "--max-new-tokens",
+    "64",
+    "--no-plot",
+]
 
 
 def start_train(*args, env=None):
     """train.py in its own process group (its generator joins it), stdout piped."""
-    return subprocess.Popen([sys.executable, "train.py", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def session_left(pgid):
@@ -212,8 +266,12 @@ def test_max_lag_bounds_lag_when_long_answers_are_overtaken(tmp_path):
     with a long answer (checked: it happened), yet no trained token is more than one
     version old. (Consumed by completion order, the same run gave lag_max 3-4.)"""
     run = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, "train.py", "--out", run, "--steps", "10", *SMALL, *LONG_TAIL],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "train.py", "--out", run, "--steps", "10", *SMALL, *LONG_TAIL],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     answers = check_groups(run, json.load(open(os.path.join(run, "config.json"))), 10)
     done = {}
@@ -228,8 +286,25 @@ def test_pace_keeps_rejecting_within_the_lag_bound(tmp_path):
     PACE rejects at more than one step (before: once, then never again), no rejected
     answer is trained, and no trained token is more than --max-lag versions old."""
     run = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, "train.py", "--out", run, "--steps", "10", *SMALL, *LONG_TAIL,
-                        "--max-lag", "3", "--pool", "pace"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--out",
+            run,
+            "--steps",
+            "10",
+            *SMALL,
+            *LONG_TAIL,
+            "--max-lag",
+            "3",
+            "--pool",
+            "pace",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     metrics = [m for m in read(run, "metrics.jsonl") if "rejected_groups" in m]
     assert sum(m["rejected_groups"] > 0 for m in metrics) >= 2, [m["rejected_groups"] for m in metrics]
@@ -247,6 +322,7 @@ def test_resume_after_kill_9_loses_and_repeats_nothing(tmp_path):
     ledger's tokens agreeing with answers.jsonl and metrics.jsonl, lag within --max-lag;
     what the dead run logged after its checkpoint kept in side files."""
     import torch
+
     run = str(tmp_path / "run")
     proc = start_train("--out", run, "--steps", "1000", "--save-every", "3", *SMALL, *LONG_TAIL)
     wait_for(proc, "step 5 ")  # the checkpoint is step 3's; steps 4 and 5 are logged, 6 is far
@@ -261,8 +337,9 @@ def test_resume_after_kill_9_loses_and_repeats_nothing(tmp_path):
     logged = [m["step"] for m in read(run, "metrics.jsonl")]
     assert logged[:5] == [1, 2, 3, 4, 5]  # the dead run got past its checkpoint
 
-    r = subprocess.run([sys.executable, "train.py", "--resume", run, "--steps", "8"], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "train.py", "--resume", run, "--steps", "8"], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     metrics = read(run, "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9))
@@ -280,7 +357,7 @@ def test_resume_after_kill_9_loses_and_repeats_nothing(tmp_path):
     assert read(run, [f for f in os.listdir(run) if f.startswith("metrics.cut-")][0])[0]["step"] == 4
     trainer = [e["what"] for e in read(run, "events.jsonl") if e["proc"] == "trainer"]
     restart = trainer.index("starting", 1)
-    assert trainer[restart - 2:restart] == ["saving", "stopped"]  # the timeline resumes at the checkpoint
+    assert trainer[restart - 2 : restart] == ["saving", "stopped"]  # the timeline resumes at the checkpoint
 
 
 def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
@@ -288,8 +365,9 @@ def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
     is stopped by the trainer, which reports its last activity and Python stack."""
     env = dict(os.environ, INFLIGHT_TEST_STALL_AT_STEP="60")
     # short answers (--synth-steps 2), so messages flow every few steps until the hang
-    proc = start_train("--out", str(tmp_path / "run"), "--steps", "1000", "--stall-s", "20", *SMALL,
-                       "--synth-steps", "2", env=env)
+    proc = start_train(
+        "--out", str(tmp_path / "run"), "--steps", "1000", "--stall-s", "20", *SMALL, "--synth-steps", "2", env=env
+    )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, (out[-2000:], err[-3000:])
     # silent while the trainer waits for answers, or not taking a push: whichever it was doing
@@ -320,8 +398,9 @@ def test_push_watchdog_names_the_engine_that_never_joined(tmp_path):
     """Two engines; engine 1 hangs before it joins the push of v1 (the test hook) while
     engine 0 waits in the push for it: the watchdog stops engine 1 and names it alone."""
     env = dict(os.environ, INFLIGHT_TEST_STALL_AT_PUSH="1", INFLIGHT_TEST_STALL_ENGINE="1")
-    proc = start_train("--out", str(tmp_path / "run"), "--steps", "3", "--stall-s", "20", "--engines", "2", *SMALL,
-                       env=env)
+    proc = start_train(
+        "--out", str(tmp_path / "run"), "--steps", "3", "--stall-s", "20", "--engines", "2", *SMALL, env=env
+    )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, (out[-2000:], err[-3000:])
     assert "generator engine 1 stalled: alive but not taking new weights for 20s" in err, err[-3000:]

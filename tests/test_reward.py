@@ -21,34 +21,65 @@ PROPS = settings(deadline=None, max_examples=300, suppress_health_check=[HealthC
 
 
 @pytest.mark.parametrize("dataset", ["synth", "gsm8k"])
-@pytest.mark.parametrize("completion", [
-    "3 + 4 = 7 #### 7 so \\boxed{8} and finally 9",  # "####" beats boxed and the last number
-    "#### 1\n... #### 7 is my answer, not 9",  # the last "####"
-    "3 + 4 = 7, so \\boxed{7}. Check: 9 - 2 = 5",  # boxed beats the last number
-    "\\boxed{2} first, then \\boxed{7}, then 9",  # the last box
-    "3 + 4 = 7",  # else the last number
-    "####\n\nthe total is 7 apples, 9 minus 2",  # "####" then text: first number after it
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "3 + 4 = 7 #### 7 so \\boxed{8} and finally 9",  # "####" beats boxed and the last number
+        "#### 1\n... #### 7 is my answer, not 9",  # the last "####"
+        "3 + 4 = 7, so \\boxed{7}. Check: 9 - 2 = 5",  # boxed beats the last number
+        "\\boxed{2} first, then \\boxed{7}, then 9",  # the last box
+        "3 + 4 = 7",  # else the last number
+        "####\n\nthe total is 7 apples, 9 minus 2",  # "####" then text: first number after it
+    ],
+)
 def test_extraction_order(completion, dataset):
     assert score(completion, "7", dataset) == 1.0
     assert score(completion, "9", dataset) == 0.0
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("#### 1,234", "1234"), ("#### 1234", "1,234"), ("#### $1,000", "1000"), ("#### 1000", "$1,000"),
-    ("#### 50%", "50"), ("#### 72.", "72"), ("#### 12.0", "12"), ("#### 12", "12.00"), ("#### 12.50", "12.5"),
-    ("#### -3", "-3"), ("#### -3.0", "-3"), ("#### $-3", "-3"), ("#### 72", "  72\n"), ("\\boxed{\\$1,234.00}", "1234"),
-    ("so 5 + 2 = 7.", "7"), ("#### " + "9" * 5000, "9" * 5000),
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("#### 1,234", "1234"),
+        ("#### 1234", "1,234"),
+        ("#### $1,000", "1000"),
+        ("#### 1000", "$1,000"),
+        ("#### 50%", "50"),
+        ("#### 72.", "72"),
+        ("#### 12.0", "12"),
+        ("#### 12", "12.00"),
+        ("#### 12.50", "12.5"),
+        ("#### -3", "-3"),
+        ("#### -3.0", "-3"),
+        ("#### $-3", "-3"),
+        ("#### 72", "  72\n"),
+        ("\\boxed{\\$1,234.00}", "1234"),
+        ("so 5 + 2 = 7.", "7"),
+        ("#### " + "9" * 5000, "9" * 5000),
+    ],
+)
 def test_normalisation(completion, answer):
     assert score(completion, answer, "gsm8k") == 1.0
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("#### 72", "73"), ("#### -3", "3"), ("#### 3", "-3"), ("#### 12.5", "12"), ("#### 1,234", "123"), ("#### 0.1", "1"),
-    ("no numbers here", "7"), ("", "7"), ("#### 72", ""), ("#### 72", "seventy-two"), ("#### 7", "NaN"), ("#### 7", "sNaN"),
-    ("#### " + "9" * 5000, "9" * 4999),
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("#### 72", "73"),
+        ("#### -3", "3"),
+        ("#### 3", "-3"),
+        ("#### 12.5", "12"),
+        ("#### 1,234", "123"),
+        ("#### 0.1", "1"),
+        ("no numbers here", "7"),
+        ("", "7"),
+        ("#### 72", ""),
+        ("#### 72", "seventy-two"),
+        ("#### 7", "NaN"),
+        ("#### 7", "sNaN"),
+        ("#### " + "9" * 5000, "9" * 4999),
+    ],
+)
 def test_wrong_answers(completion, answer):
     assert score(completion, answer, "gsm8k") == 0.0
     assert score(completion, answer, "synth") == 0.0
@@ -95,24 +126,47 @@ def test_unknown_dataset():
     with pytest.raises(ValueError):
         score("#### 1", "1", "gsm8k_typo")
 
+
 # -----------------------------------------------------------------------------
 # math
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("so the answer is $\\boxed{\\frac{1}{2}}$.", "0.5"), ("\\boxed{0.5}", "\\frac{1}{2}"), ("\\boxed{\\frac12}", "\\frac{1}{2}"),
-    ("\\boxed{\\dfrac{1}{2}}", "\\frac12"), ("\\boxed{3}", "3"), ("\\boxed{3.0}", "3"), ("\\boxed{2}\\dots\\boxed{3}", "3"),
-    ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}"), ("\\boxed{x^2+2x}", "2x + x^2"), ("\\boxed{[-2, 7]}", "[-2,7]"),
-    ("\\boxed{(3, \\infty)}", "(3,\\infty)"), ("\\boxed{\\frac{5\\pi}{6}}", "\\frac{5\\pi}{6}"), ("\\boxed{1,000}", "1000"),
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("so the answer is $\\boxed{\\frac{1}{2}}$.", "0.5"),
+        ("\\boxed{0.5}", "\\frac{1}{2}"),
+        ("\\boxed{\\frac12}", "\\frac{1}{2}"),
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12"),
+        ("\\boxed{3}", "3"),
+        ("\\boxed{3.0}", "3"),
+        ("\\boxed{2}\\dots\\boxed{3}", "3"),
+        ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}"),
+        ("\\boxed{x^2+2x}", "2x + x^2"),
+        ("\\boxed{[-2, 7]}", "[-2,7]"),
+        ("\\boxed{(3, \\infty)}", "(3,\\infty)"),
+        ("\\boxed{\\frac{5\\pi}{6}}", "\\frac{5\\pi}{6}"),
+        ("\\boxed{1,000}", "1000"),
+    ],
+)
 def test_math_equivalent(completion, answer):
     assert score(completion, answer, "math") == 1.0
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("\\boxed{4}", "3"), ("\\boxed{\\frac{1}{3}}", "0.5"), ("\\boxed{[-2, 7)}", "[-2,7]"), ("\\boxed{x^2-2x}", "x^2+2x"),
-    ("\\boxed{3}\\dots\\boxed{2}", "3"), ("the answer is 3", "3"), ("\\boxed{3", "3"), ("\\boxed{}", "3"), ("\\boxed{3}", ""),
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("\\boxed{4}", "3"),
+        ("\\boxed{\\frac{1}{3}}", "0.5"),
+        ("\\boxed{[-2, 7)}", "[-2,7]"),
+        ("\\boxed{x^2-2x}", "x^2+2x"),
+        ("\\boxed{3}\\dots\\boxed{2}", "3"),
+        ("the answer is 3", "3"),
+        ("\\boxed{3", "3"),
+        ("\\boxed{}", "3"),
+        ("\\boxed{3}", ""),
+    ],
+)
 def test_math_wrong(completion, answer):
     assert score(completion, answer, "math") == 0.0
 
@@ -121,13 +175,17 @@ def test_math_in_thread():
     # math-verify's default timeout is signal.alarm, which raises off the main thread (this test
     # fails if reward.py drops parsing_timeout=None / timeout_seconds=None)
     out = []
-    t = threading.Thread(target=lambda: out.append([score("\\boxed{\\frac{1}{2}}", "0.5", "math"), score("\\boxed{3}", "4", "math")]))
+    t = threading.Thread(
+        target=lambda: out.append([score("\\boxed{\\frac{1}{2}}", "0.5", "math"), score("\\boxed{3}", "4", "math")])
+    )
     t.start()
     t.join(30)
     assert out == [[1.0, 0.0]]
 
 
-@pytest.mark.parametrize("box", ["10^{10^{10}}", "9^{9^{9^{9}}}", "1000000!", "{{10^{1000}}^{1000}}^{1000}", "\\prod_{i=1}^{10^{9}} i"])
+@pytest.mark.parametrize(
+    "box", ["10^{10^{10}}", "9^{9^{9^{9}}}", "1000000!", "{{10^{1000}}^{1000}}^{1000}", "\\prod_{i=1}^{10^{9}} i"]
+)
 def test_math_huge_numbers(box):
     # sympy would compute these exactly (endless, uninterruptible): refused before verify
     t0 = time.time()
@@ -150,10 +208,20 @@ def test_math_timeout(monkeypatch):
 # robustness: any text gives 0.0 or 1.0, never raises, never hangs
 
 PATHOLOGICAL = [
-    "9" * 20000, "#### " + "9" * 20000, "1," * 10000, "-" * 20000 + "1", "." * 20000, "####" * 5000,
-    "\\boxed{" * 3000, "\\boxed{" + "{" * 10000 + "}" * 10000 + "}", "\\boxed{" + "1" * 20000 + "}",
-    "\\boxed{" + "(" * 150 + ")" * 150 + "}", "\\boxed{" + "\\frac{1}{" * 30 + "2" + "}" * 31,
-    "\\boxed{" + "\\left|" * 40 + "1" + "\\right|" * 40 + "}", ("\\boxed{1}" + "x" * 100) * 180, "}" * 20000 + "\\boxed{",
+    "9" * 20000,
+    "#### " + "9" * 20000,
+    "1," * 10000,
+    "-" * 20000 + "1",
+    "." * 20000,
+    "####" * 5000,
+    "\\boxed{" * 3000,
+    "\\boxed{" + "{" * 10000 + "}" * 10000 + "}",
+    "\\boxed{" + "1" * 20000 + "}",
+    "\\boxed{" + "(" * 150 + ")" * 150 + "}",
+    "\\boxed{" + "\\frac{1}{" * 30 + "2" + "}" * 31,
+    "\\boxed{" + "\\left|" * 40 + "1" + "\\right|" * 40 + "}",
+    ("\\boxed{1}" + "x" * 100) * 180,
+    "}" * 20000 + "\\boxed{",
 ]
 
 
@@ -166,10 +234,49 @@ def test_pathological_fast(dataset):
             assert time.time() - t0 < 5, (text[:40], dataset)
 
 
-latex = st.lists(st.sampled_from(["\\boxed{", "{", "}", "(", ")", "[", "]", "####", "\\frac", "\\sqrt", "^", "_", "!",
-                                  "\\left(", "\\right)", "\\infty", "\\cup", "\\pi", "x", "1", "-", ",", ".", "$", "%", " ",
-                                  "\\$", "\\text{", "\\\\", "=", "9" * 40, "\\begin{pmatrix}", "&"]), max_size=40).map("".join)
-weird = st.text(st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=["Cs"]), max_size=200)
+latex = st.lists(
+    st.sampled_from(
+        [
+            "\\boxed{",
+            "{",
+            "}",
+            "(",
+            ")",
+            "[",
+            "]",
+            "####",
+            "\\frac",
+            "\\sqrt",
+            "^",
+            "_",
+            "!",
+            "\\left(",
+            "\\right)",
+            "\\infty",
+            "\\cup",
+            "\\pi",
+            "x",
+            "1",
+            "-",
+            ",",
+            ".",
+            "$",
+            "%",
+            " ",
+            "\\$",
+            "\\text{",
+            "\\\\",
+            "=",
+            "9" * 40,
+            "\\begin{pmatrix}",
+            "&",
+        ]
+    ),
+    max_size=40,
+).map("".join)
+weird = st.text(
+    st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=["Cs"]), max_size=200
+)
 texts = st.one_of(st.text(), weird, latex, latex.map(lambda s: "\\boxed{" + s + "}"))
 
 
@@ -185,6 +292,7 @@ def test_hashes_property(prefix, n, dataset):
     assert score(f"{prefix}\n#### {n}", str(n), dataset) == 1.0
     assert score(f"{prefix}\n#### {n:,}", str(n), dataset) == 1.0
     assert score(f"{prefix}\n#### {n}", str(n + 1), dataset) == 0.0
+
 
 # -----------------------------------------------------------------------------
 # fixtures: each reference solution scores 1.0 against its own answer (checks fixtures and parser)
@@ -204,6 +312,7 @@ def test_synth_lengths():
     seed formula since the start); A-B is long-tailed, P(s) ~ 1/s, and its own stream."""
     import random
     import data
+
     rng = random.Random(data.SYNTH_SEEDS["test"] * 1000 + 2)
     assert data.synth_split("test", 50, "2") == [data.synth_problem(rng, 2) for _ in range(50)]
     assert data.synth_split("test", 50, 2) == data.synth_split("test", 50, "2")

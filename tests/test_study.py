@@ -26,6 +26,7 @@ def setup():
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from data import load_problems
     from config import model_path
+
     torch.set_num_threads(1)  # tiny ops; more threads only spin against other processes on the cores
     torch.manual_seed(0)
     cfg = study.parse_config(["--prompts", "2", "--group-size", "2", "--max-new-tokens", "64"])
@@ -56,8 +57,8 @@ def hf_stale(old, new, s, sw):
     over prompt + a_:s-1 and keeps its cache, v+1 feeds a_{s-1}.. reading it. No splicing."""
     P, n = len(s["prompt_ids"]), len(s["token_ids"])
     ids = torch.cat([s["prompt_ids"], s["token_ids"]]).long()[None]
-    cache = old(ids[:, :P + sw - 1], use_cache=True).past_key_values
-    return torch.log_softmax(new(ids[:, P + sw - 1:P + n - 1], past_key_values=cache).logits[0], -1)
+    cache = old(ids[:, : P + sw - 1], use_cache=True).past_key_values
+    return torch.log_softmax(new(ids[:, P + sw - 1 : P + n - 1], past_key_values=cache).logits[0], -1)
 
 
 @torch.no_grad()
@@ -72,6 +73,7 @@ def patched(old, new, s, sw, k):
     def catch(key):
         def hook(mod, inp, out):  # k_norm: (1, T, kv_heads, head_dim); v_proj: (1, T, kv_heads * head_dim)
             caught[key] = out
+
         return hook
 
     def swap(key):
@@ -79,17 +81,22 @@ def patched(old, new, s, sw, k):
             out = out.clone()
             out[:, :m] = caught[key][:, :m]
             return out
+
         return hook
 
     for i, layer in enumerate(old.model.layers):
-        hooks += [layer.self_attn.k_norm.register_forward_hook(catch(("k", i))),
-                  layer.self_attn.v_proj.register_forward_hook(catch(("v", i)))]
+        hooks += [
+            layer.self_attn.k_norm.register_forward_hook(catch(("k", i))),
+            layer.self_attn.v_proj.register_forward_hook(catch(("v", i))),
+        ]
     old(ids)
     for i, layer in list(enumerate(new.model.layers))[k:]:
-        hooks += [layer.self_attn.k_norm.register_forward_hook(swap(("k", i))),
-                  layer.self_attn.v_proj.register_forward_hook(swap(("v", i)))]
+        hooks += [
+            layer.self_attn.k_norm.register_forward_hook(swap(("k", i))),
+            layer.self_attn.v_proj.register_forward_hook(swap(("v", i))),
+        ]
     try:
-        logits = new(ids).logits[0, m:P + n - 1]  # positions that feed a_{s-1}..a_{n-2}
+        logits = new(ids).logits[0, m : P + n - 1]  # positions that feed a_{s-1}..a_{n-2}
     finally:
         for h in hooks:
             h.remove()

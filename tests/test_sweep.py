@@ -14,15 +14,40 @@ import sys
 
 def test_sweep_writes_tables_and_figures(tmp_path):
     out = str(tmp_path)
-    r = subprocess.run([sys.executable, "tools/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
-                        "--out", out, "--", "--steps", "3", "--eval-every", "1", "--eval-n", "16",
-                        "--prompts-per-step", "2", "--group-size", "2"],
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "tools/sweep.py",
+            "default",
+            "--regimes",
+            "sync",
+            "stale",
+            "--seeds",
+            "0",
+            "--out",
+            out,
+            "--",
+            "--steps",
+            "3",
+            "--eval-every",
+            "1",
+            "--eval-n",
+            "16",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     folder = os.path.join(out, "default")
     for regime in ("sync", "stale"):
-        assert os.path.exists(os.path.join(folder, f"{regime}-fifo-s0", "ledger.json")), \
-            open(os.path.join(folder, f"{regime}-fifo-s0.log")).read()[-3000:]
+        assert os.path.exists(os.path.join(folder, f"{regime}-fifo-s0", "ledger.json")), open(
+            os.path.join(folder, f"{regime}-fifo-s0.log")
+        ).read()[-3000:]
     for name in ("table.md", "runs.md", "acc_vs_wall.png", "time_share.png"):
         path = os.path.join(folder, name)
         assert os.path.getsize(path) > 0, path
@@ -30,19 +55,41 @@ def test_sweep_writes_tables_and_figures(tmp_path):
         assert os.path.getsize(os.path.join(folder, name)) < 150_000
     table = open(os.path.join(folder, "table.md")).read()
     for regime in ("sync", "stale"):
-        row, = [line for line in table.splitlines() if line.startswith(f"| {regime} |")]
+        (row,) = [line for line in table.splitlines() if line.startswith(f"| {regime} |")]
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1:3] == ["fifo", "1"], row
         assert re.fullmatch(r"[01]\.\d{3}", cells[3]), row  # final eval pass@1
         assert float(cells[6]) > 0, row  # steps/min
     # no long runs: no contrast; a second call finds both runs finished and runs nothing
     assert not os.path.exists(os.path.join(out, "contrast.md"))
-    r = subprocess.run([sys.executable, "tools/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0",
-                        "--out", out], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "tools/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0", "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "2 of 2 runs finished already, 0 to run" in r.stdout, r.stdout + r.stderr
     # PACE's claims are against sync: a pace sweep without sync in --regimes still tables the sync runs on disk
-    r = subprocess.run([sys.executable, "tools/sweep.py", "default", "--regimes", "stale", "--pools", "fifo", "pace",
-                        "--seeds", "0", "--out", out, "--table-only"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "tools/sweep.py",
+            "default",
+            "--regimes",
+            "stale",
+            "--pools",
+            "fifo",
+            "pace",
+            "--seeds",
+            "0",
+            "--out",
+            out,
+            "--table-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     table = open(os.path.join(folder, "table.md")).read()
     assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| s")] == ["sync", "stale"]
@@ -52,13 +99,17 @@ def test_time_to_and_paired_by_hand():
     """The analysis' two measures, against numbers worked by hand: time to target on the
     3-eval smoothed curve, interpolated; a paired difference and its bootstrap interval."""
     from tools.sweep import paired, smooth, time_to
+
     curve = [(0, 0.40), (100, 0.46), (200, 0.52), (300, 0.58)]
     # smoothed: 0.43, 0.46, 0.52, 0.55; 0.50 is crossed between 100 s and 200 s, a third of the way
     assert [round(a, 3) for _, a in smooth(curve)] == [0.43, 0.46, 0.52, 0.55]
     assert abs(time_to(curve, 0.50) - (100 + 100 * 0.04 / 0.06)) < 1e-9
     assert time_to(curve, 0.60) is None and time_to(curve, 0.40) == 0
-    rows = [dict(regime=reg, pool="fifo", seed=s, v=v) for reg, vals in
-            (("stale", [3.0, 4.0, 5.0]), ("drain", [1.0, 1.0, 2.0, 9.0])) for s, v in enumerate(vals)]
+    rows = [
+        dict(regime=reg, pool="fifo", seed=s, v=v)
+        for reg, vals in (("stale", [3.0, 4.0, 5.0]), ("drain", [1.0, 1.0, 2.0, 9.0]))
+        for s, v in enumerate(vals)
+    ]
     mean, (lo, hi), n = paired(rows, ("stale", "fifo"), ("drain", "fifo"), lambda r: r["v"])
     assert (mean, n) == (8 / 3, 3)  # seeds 0-2: 2, 3, 3; seed 3 has no stale run
     assert lo == 2.0 and hi == 3.0  # every resample's mean lies in [2, 3] and both ends are drawn
@@ -68,14 +119,18 @@ def test_analysis_says_the_difference_as_a_share():
     """Each comparison also as a share of the second regime's mean over the paired seeds,
     worked by hand: steps/min 30, 33, 36 against 20, 22, 24 is +11 = +50% of 22."""
     from tools.sweep import analysis
+
     curve = [(0, 0.5), (100, 0.6)]
-    rows = [dict(regime=reg, pool="fifo", seed=s, steps_per_min=v, acc1=0.6, curve=curve, cpu_curve=None)
-            for reg, vals in (("stale", [30.0, 33.0, 36.0]), ("drain", [20.0, 22.0, 24.0])) for s, v in enumerate(vals)]
-    row, = [line for line in analysis(rows, None).splitlines() if line.startswith("| steps/min")]
+    rows = [
+        dict(regime=reg, pool="fifo", seed=s, steps_per_min=v, acc1=0.6, curve=curve, cpu_curve=None)
+        for reg, vals in (("stale", [30.0, 33.0, 36.0]), ("drain", [20.0, 22.0, 24.0]))
+        for s, v in enumerate(vals)
+    ]
+    (row,) = [line for line in analysis(rows, None).splitlines() if line.startswith("| steps/min")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "+11.0" and cells[3].startswith("+50.0% [") and cells[4:6] == ["3", "yes"], row
     # the paired t-test beside it: differences 10, 11, 12, sd 1, t(0.975, 2) = 4.303: 11 ± 4.303 / sqrt(3)
-    assert cells[6] == f"[{11 - 4.303 / 3 ** 0.5:+.1f}, {11 + 4.303 / 3 ** 0.5:+.1f}]" == "[+8.5, +13.5]", row
+    assert cells[6] == f"[{11 - 4.303 / 3**0.5:+.1f}, {11 + 4.303 / 3**0.5:+.1f}]" == "[+8.5, +13.5]", row
 
 
 def test_pace_columns_and_claims_by_hand(tmp_path):
@@ -88,12 +143,30 @@ def test_pace_columns_and_claims_by_hand(tmp_path):
         folder = tmp_path / f"{regime}-{pool}-s{seed}"
         folder.mkdir()
         with open(folder / "answers.jsonl", "w") as f:  # trained 40 and 60 tokens; the rejected one does not count
-            f.writelines(json.dumps(dict(tokens=n, fate=fate)) + "\n" for n, fate in
-                         ((40, "consumed"), (60, "consumed"), (10, "rejected")))
-        return dict(run=str(folder), regime=regime, pool=pool, seed=seed, acc0=0.5, acc1=0.7,
-                    curve=[(0, 0.5), (100, 0.6), (200, 0.7)], cpu_curve=cpu_curve, steps_per_min=10.0, stale=0.0,
-                    lag=0.0, spanning=0.0, gen_idle=0.0, discarded=0.0, recomputed=0.0, rejected=0.5,
-                    groups_rejected=groups_rejected, groups_trained=1600)
+            f.writelines(
+                json.dumps(dict(tokens=n, fate=fate)) + "\n"
+                for n, fate in ((40, "consumed"), (60, "consumed"), (10, "rejected"))
+            )
+        return dict(
+            run=str(folder),
+            regime=regime,
+            pool=pool,
+            seed=seed,
+            acc0=0.5,
+            acc1=0.7,
+            curve=[(0, 0.5), (100, 0.6), (200, 0.7)],
+            cpu_curve=cpu_curve,
+            steps_per_min=10.0,
+            stale=0.0,
+            lag=0.0,
+            spanning=0.0,
+            gen_idle=0.0,
+            discarded=0.0,
+            recomputed=0.0,
+            rejected=0.5,
+            groups_rejected=groups_rejected,
+            groups_trained=1600,
+        )
 
     # smoothed, both CPU curves read 0.55, 0.6, 0.65: 0.6 is first reached at their second point
     rows = [run("sync", "fifo", s, [(0, 0.5), (50, 0.6), (100, 0.7)], 0) for s in (0, 1)]
@@ -104,6 +177,6 @@ def test_pace_columns_and_claims_by_hand(tmp_path):
     assert pace["groups rejected per group trained"] == "1.50" and pace["answer tokens trained (mean)"] == "50.0"
     assert pace["CPU-s to 0.6"] == "200" and pace["pass@1 at 200 s (smoothed)"] == "0.650", pace
     assert pace["CPU-s to sync's final 0.700"] == "-", pace  # the smoothed curves end at 0.65
-    row, = [line for line in analysis(rows, 0.6).splitlines() if line.startswith("| CPU-s to 0.6: stale pace - sync")]
+    (row,) = [line for line in analysis(rows, 0.6).splitlines() if line.startswith("| CPU-s to 0.6: stale pace - sync")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:3] == ["+150", "[+150, +150]"] and cells[4:] == ["2", "yes", "[+150, +150]"], row

@@ -20,8 +20,11 @@ def test_shipped_tiny_model_is_the_recipes(name):
     import json
     from transformers import AutoTokenizer
     from tools import tiny
+
     with open(os.path.join("weights", name, "recipe.json")) as f:
-        assert json.load(f)["recipe_hash"] == tiny.recipe_hash(name), f"weights/{name} is from another recipe: ship a new build"
+        assert json.load(f)["recipe_hash"] == tiny.recipe_hash(name), (
+            f"weights/{name} is from another recipe: ship a new build"
+        )
     assert tiny.tiny_model_dir(name=name) == tiny.shipped(name) == model_path(name)  # what --model NAME loads
     assert AutoTokenizer.from_pretrained(tiny.shipped(name)).get_vocab() == tiny.build_tokenizer().get_vocab()
 
@@ -32,7 +35,10 @@ def test_tiny_recipe_builds(name, tmp_path, monkeypatch):
     (tiny-long's stop_at, 2 of them): a complete cache directory that transformers loads."""
     from transformers import AutoModelForCausalLM
     from tools import tiny
-    short = dict(tiny.RECIPES[name], sft_steps=3, warmup=1) | ({"stop_at": 2} if "stop_at" in tiny.RECIPES[name] else {})
+
+    short = dict(tiny.RECIPES[name], sft_steps=3, warmup=1) | (
+        {"stop_at": 2} if "stop_at" in tiny.RECIPES[name] else {}
+    )
     monkeypatch.setitem(tiny.RECIPES, name, short)
     path = tiny.tiny_model_dir(root=str(tmp_path), rebuild=True, name=name)
     assert path.startswith(str(tmp_path)) and os.path.exists(os.path.join(path, "recipe.json"))
@@ -44,6 +50,7 @@ def test_long_preset_starts_from_tiny_long():
     --model given on the command line still wins over the preset's."""
     from tools import tiny
     from train import parse_config
+
     cfg = parse_config(["--preset", "long", "--out", "out/test-preset"])
     assert (cfg["model"], cfg["synth_steps"], cfg["steps"]) == ("tiny-long", "1-12", 60)
     assert model_path(cfg["model"]) == tiny.shipped("tiny-long")

@@ -31,18 +31,18 @@ def reference_grads(cfg, model, batch, adv):
     ids = torch.zeros(len(seqs), W, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, x in enumerate(seqs):
-        ids[i, :len(x)], attn[i, :len(x)] = x, 1
+        ids[i, : len(x)], attn[i, : len(x)] = x, 1
     logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1] / cfg["temperature"], -1)
     logp_all = logp_all.gather(-1, ids[:, 1:, None])[..., 0]  # (B, W-1)
     T = max(len(s["token_ids"]) for s in batch)
     logp, mask, mu = (torch.zeros(len(batch), T) for _ in range(3))
     for i, s in enumerate(batch):
         P, n = len(s["prompt_ids"]), len(s["token_ids"])
-        logp[i, :n], mask[i, :n], mu[i, :n] = logp_all[i, P - 1:P - 1 + n], 1, s["logprobs"]
+        logp[i, :n], mask[i, :n], mu[i, :n] = logp_all[i, P - 1 : P - 1 + n], 1, s["logprobs"]
     A = adv[:, None]
     old = torch.zeros(len(batch), T)  # pi_old: given (several steps per batch) or pi itself, detached
     for i, s in enumerate(batch):
-        old[i, :len(s["token_ids"])] = s["old_logprobs"] if "old_logprobs" in s else logp[i, :len(s["token_ids"])]
+        old[i, : len(s["token_ids"])] = s["old_logprobs"] if "old_logprobs" in s else logp[i, : len(s["token_ids"])]
     old = old.detach()
     n = mask.sum(1, keepdim=True)
     r = torch.exp(logp - old)
@@ -75,15 +75,20 @@ def reference_grads(cfg, model, batch, adv):
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-ADVANTAGES = {"nonzero": [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1],
-              "some zero": [1.0, 0.0, 0.5, -0.5, 0.0, -2.0, 0.0, -0.1]}  # train_step skips the zeros
+ADVANTAGES = {
+    "nonzero": [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1],
+    "some zero": [1.0, 0.0, 0.5, -0.5, 0.0, -2.0, 0.0, -0.1],
+}  # train_step skips the zeros
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize("advantages", sorted(ADVANTAGES))
-@pytest.mark.parametrize("loss, agg, drift", [(name, "token", False) for name in grpo.LOSSES]
-                         + [(name, "token", True) for name in ("none", "ppo", "geo", "gspo")]
-                         + [("tis", "answer", False), ("tis", "constant", False), ("ppo", "answer", True)])
+@pytest.mark.parametrize(
+    "loss, agg, drift",
+    [(name, "token", False) for name in grpo.LOSSES]
+    + [(name, "token", True) for name in ("none", "ppo", "geo", "gspo")]
+    + [("tis", "answer", False), ("tis", "constant", False), ("ppo", "answer", True)],
+)
 def test_micro_batched_gradients_equal_whole_batch(loss, agg, drift, advantages, monkeypatch):
     """Whole batch in one micro-batch, and split into many with logits in chunks of 7
     positions: the same loss and gradient as the reference, to float32 rounding
@@ -99,7 +104,8 @@ def test_micro_batched_gradients_equal_whole_batch(loss, agg, drift, advantages,
             s["logprobs"] = torch.randn(len(s["token_ids"]), generator=torch.Generator().manual_seed(5)) - 4.6
             if drift:  # log pi_old = log pi - noise: ratios pi/pi_old spread around 1, some past the clips
                 s["old_logprobs"] = answer_logprobs_of(model, s) - 0.3 * torch.randn(
-                    len(s["token_ids"]), generator=torch.Generator().manual_seed(6))
+                    len(s["token_ids"]), generator=torch.Generator().manual_seed(6)
+                )
     adv = torch.tensor(ADVANTAGES[advantages])
     cfg = dict(LOSS_CFG, loss=loss, temperature=0.7, loss_agg=agg, max_new_tokens=160)
     if loss == "geo":  # here the answers' geometric mean pi/mu runs 0.90-1.56: 1.2 keeps five, masks three
@@ -108,8 +114,9 @@ def test_micro_batched_gradients_equal_whole_batch(loss, agg, drift, advantages,
     monkeypatch.setattr(train, "LOGIT_CHUNK_BYTES", 7 * 4 * 97)  # 7 positions per logit chunk
     for budget in (100_000, 160, 40):  # one micro-batch; 4; 6 (the longest answers alone)
         model.zero_grad(set_to_none=True)
-        got_loss, *_ = grpo.train_step(dict(cfg, micro_batch_tokens=budget), model, batch, adv,
-                                        grpo.token_weights(cfg, batch), "cpu")
+        got_loss, *_ = grpo.train_step(
+            dict(cfg, micro_batch_tokens=budget), model, batch, adv, grpo.token_weights(cfg, batch), "cpu"
+        )
         n_mb = len(grpo.micro_batches(batch, budget))
         assert n_mb == 1 if budget == 100_000 else n_mb >= 4
         assert abs(got_loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -122,7 +129,7 @@ def answer_logprobs_of(model, s):
     """log pi of one answer's tokens, at temperature 0.7, from the plain forward."""
     ids = torch.cat([s["prompt_ids"], s["token_ids"]])[None]
     logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / 0.7, -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return logp[len(s["prompt_ids"]) - 1:]
+    return logp[len(s["prompt_ids"]) - 1 :]
 
 
 @pytest.mark.fast
@@ -132,6 +139,7 @@ def test_a_step_with_all_advantages_zero_is_still_an_adamw_step():
     moments decay and the weights move by momentum. Without the zero-fill every .grad
     stays None and AdamW skips every parameter."""
     import copy
+
     cfg = dict(loss="tis", is_cap=2.0, clip_eps=0.2, temperature=0.7, micro_batch_tokens=100_000, loss_agg="token")
     ours = small_model()
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
@@ -155,8 +163,11 @@ def test_a_step_with_all_advantages_zero_is_still_an_adamw_step():
     for (k, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), k
     assert any(not torch.equal(p, before[k]) for k, p in ours.named_parameters())
-    assert [s["step"] for s in opt.state.values()] == [s["step"] for s in ref_opt.state.values()] == \
-        [torch.tensor(2.0)] * len(opt.state)
+    assert (
+        [s["step"] for s in opt.state.values()]
+        == [s["step"] for s in ref_opt.state.values()]
+        == [torch.tensor(2.0)] * len(opt.state)
+    )
 
 
 @pytest.mark.fast
@@ -193,8 +204,12 @@ def test_step_memory_at_qwen3_vocabulary():
     ~4 GB. The step's peak resident memory growth must stay within train.py's memory
     plan (16 bytes a parameter + activations + 5 float32 logit chunks of 256 MiB:
     ~1.5 GiB), which is itself under half of those logits."""
-    r = subprocess.run([sys.executable, "tools/bench_train.py", "--shape", "small", "--steps", "1"],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "tools/bench_train.py", "--shape", "small", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["whole_batch_logits_bytes"] > 3.5 * 2**30
@@ -208,6 +223,7 @@ def test_buffer_device_follows_backend():
     import tempfile
     import torch.distributed as dist
     from generator import buffer_device
+
     assert dist.ProcessGroupGloo(dist.FileStore(tempfile.mktemp(), 1), 0, 1).name() == "gloo"
     assert buffer_device("nccl", "cuda:0") == "cuda:0"
     assert buffer_device("gloo", "cuda:0") == "cpu"
@@ -217,6 +233,7 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
     """A trainer_state.pt whose tensors are tagged cuda:1 (as saved by the trainer on GPU 1)
     loads on this CPU-only machine, and the optimizer steps with it."""
     import torch.serialization
+
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
@@ -239,9 +256,28 @@ def test_gpu_check_on_cpu():
     its multi-GPU checks: the device layout, the sync check to 2 engines, and a regime under
     torchrun with 2 trainer ranks and 2 engines, pass (every regime: test_smoke.py,
     tests/test_ranks.py)."""
-    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--model", "tiny", "--dataset", "synth", "--steps", "2",
-                        "--regimes", "recompute", "--engines", "2", "--ranks", "2", "--skip-bench"],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "tools/gpu_check.py",
+            "--model",
+            "tiny",
+            "--dataset",
+            "synth",
+            "--steps",
+            "2",
+            "--regimes",
+            "recompute",
+            "--engines",
+            "2",
+            "--ranks",
+            "2",
+            "--skip-bench",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("[PASS]") == 3 and "3/3 checks passed" in r.stdout
     assert "[PASS] devices: generator cpu, cpu; trainer ranks cpu, cpu" in r.stdout
@@ -252,7 +288,7 @@ def test_advantages_by_hand():
     """GRPO's advantage on rewards worked by hand: a group of 1, 0, 0, 1 (mean 0.5, unbiased
     std sqrt(1/3)) and a group all wrong, whose advantages are 0 (nothing to learn from it)."""
     adv = grpo.advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]), 4)
-    a = 0.5 / (3 ** -0.5 + 1e-4)
+    a = 0.5 / (3**-0.5 + 1e-4)
     assert adv.shape == (8,) and torch.allclose(adv, torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0]), atol=1e-6)
 
 
@@ -266,6 +302,7 @@ def test_boxed_frac_counts_what_the_format_reward_pays():
     class Texts:  # the tiny model's tokenizer has no backslash or braces: answer i decodes to texts[i]
         def batch_decode(self, ids, skip_special_tokens):
             return [texts[i[0]] for i in ids]
+
     batch = [dict(token_ids=torch.tensor([i]), finish_reason="stop", answer="42") for i in range(4)]
     cfg = dict(dataset="synth", format_reward=0.1, group_size=4, truncated="zero")
     adv, scores = grpo.score_batch(cfg, Texts(), batch)

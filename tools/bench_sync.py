@@ -51,6 +51,7 @@ def raw_receiver(host, port, backend, specs, rounds):
     On CPU it keeps to the cores the generator gets, as vLLM's worker does."""
     import torch
     from generator import init_weight_group, keep_to_gen_cores
+
     keep_to_gen_cores()
     group = init_weight_group(host, port, 1, 2, backend)
     device = "cuda" if backend == "nccl" else "cpu"
@@ -72,28 +73,58 @@ def bench_sync(args):
     from preflight import engine_plan
     from devices import prepare
     from train import parse_config
+
     path = args.sync_model
     if path == "medium":  # a random Qwen3 big enough that bytes, not per-call overhead, dominate
         path = os.path.join("out", "bench-medium")
         if not os.path.exists(os.path.join(path, "config.json")):
             from tools.tiny import build_tokenizer
+
             tok = build_tokenizer()
-            config = AutoConfig.for_model("qwen3", vocab_size=len(tok), hidden_size=768, intermediate_size=2048,
-                                          num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
-                                          head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
+            config = AutoConfig.for_model(
+                "qwen3",
+                vocab_size=len(tok),
+                hidden_size=768,
+                intermediate_size=2048,
+                num_hidden_layers=8,
+                num_attention_heads=12,
+                num_key_value_heads=4,
+                head_dim=64,
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+            )
             AutoModelForCausalLM.from_config(config).save_pretrained(path)
             tok.save_pretrained(path)
     elif path == "smol":
         from tools.smol import smol_model_dir
+
         path = smol_model_dir()
-    cfg = parse_config(["--regime", "stale", "--model", path, "--out", "out/bench", "--gen-device", args.gen_device,
-                        "--train-device", args.train_device, "--max-lag", "-1000000"])  # admits nothing: idle engine
+    cfg = parse_config(
+        [
+            "--regime",
+            "stale",
+            "--model",
+            path,
+            "--out",
+            "out/bench",
+            "--gen-device",
+            args.gen_device,
+            "--train-device",
+            args.train_device,
+            "--max-lag",
+            "-1000000",
+        ]
+    )  # admits nothing: idle engine
     cfg["push_ahead_bytes"] = args.push_ahead_mib * 2**20  # not a train.py flag: preflight.PUSH_AHEAD_BYTES there
-    env, = prepare(cfg)
+    (env,) = prepare(cfg)
     device = cfg["trainer_device"]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    plan = engine_plan(AutoConfig.from_pretrained(path), dtype.itemsize, cfg["push_ahead_bytes"],
-                       on_cpu=not cfg["gen_devices"][0].startswith("cuda"))
+    plan = engine_plan(
+        AutoConfig.from_pretrained(path),
+        dtype.itemsize,
+        cfg["push_ahead_bytes"],
+        on_cpu=not cfg["gen_devices"][0].startswith("cuda"),
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     sd = model.state_dict()
     n_bytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -101,8 +132,12 @@ def bench_sync(args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = spawn_with_env(ctx, env, raw_receiver,  # same device placement as the generator
-                          ("127.0.0.1", port, cfg["sync_backend"], weight_specs(sd), args.rounds + 1))
+    proc = spawn_with_env(
+        ctx,
+        env,
+        raw_receiver,  # same device placement as the generator
+        ("127.0.0.1", port, cfg["sync_backend"], weight_specs(sd), args.rounds + 1),
+    )
     group = init_weight_group("127.0.0.1", port, 0, 2, cfg["sync_backend"])
     send = [t.detach().to(device if cfg["sync_backend"] == "nccl" else "cpu").contiguous() for t in sd.values()]
 
@@ -129,6 +164,7 @@ def bench_sync(args):
             while not done.is_set():
                 peak[0] = max(peak[0], engine.memory_info().rss)
                 time.sleep(0.002)
+
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         t0 = time.time()
@@ -170,26 +206,36 @@ def bench_sync(args):
     gen.stop()
     proc.join()
     mib = lambda b: f"{b / 2**20:+.0f} MiB"
-    print(f"  generator resident memory: first push peak {mib(memory[0][0])}, kept {mib(memory[0][1])}; later pushes "
-          f"peak {mib(median_high(m[0] for m in memory[1:]))}, kept {mib(median_high(m[1] for m in memory[1:]))} "
-          f"(medians)")
+    print(
+        f"  generator resident memory: first push peak {mib(memory[0][0])}, kept {mib(memory[0][1])}; later pushes "
+        f"peak {mib(median_high(m[0] for m in memory[1:]))}, kept {mib(median_high(m[1] for m in memory[1:]))} "
+        f"(medians)"
+    )
     # glibc keeps the heap a push grew, and later pushes allocate from it: the highest resident
     # memory over the measured pushes, above where it stood before them, is what a push needs
     extra = max(0, highest[0] - start)
-    print(f"push memory ({args.rounds} pushes, {args.push_ahead_mib} MiB ahead): peak {extra / 2**20:.0f} MiB above "
-          f"the engine after its first push (which kept {(start - first) / 2**20:+.0f} MiB) vs the plan's "
-          f"{plan / 2**20:.0f} MiB (preflight.engine_plan) and the model's {n_bytes / 2**20:.0f} MiB "
-          f"-> {extra / n_bytes:.2f}x the model")
+    print(
+        f"push memory ({args.rounds} pushes, {args.push_ahead_mib} MiB ahead): peak {extra / 2**20:.0f} MiB above "
+        f"the engine after its first push (which kept {(start - first) / 2**20:+.0f} MiB) vs the plan's "
+        f"{plan / 2**20:.0f} MiB (preflight.engine_plan) and the model's {n_bytes / 2**20:.0f} MiB "
+        f"-> {extra / n_bytes:.2f}x the model"
+    )
     push_s, raw_s, whole_s = median_high(push), median_high(raw), median_high(whole)
     rounds = lambda xs: " ".join(f"{x:.3f}" for x in xs)
-    print(f"  blocked rounds {rounds(push)}; raw rounds {rounds(raw)}; push waited at once {rounds(whole)}; "
-          f"forward+backward between {rounds(step_s)}")
-    print(f"  the push waited for at once (transfer and load end to end): {whole_s:.3f}s -> {whole_s / raw_s:.2f}x "
-          f"the raw broadcast; the forward and backward of {args.step_tokens} tokens it overlaps: "
-          f"{median_high(step_s):.3f}s")
-    print(f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
-          f"the trainer blocked {push_s:.3f}s by a push vs {raw_s:.3f}s by a raw broadcast (medians of {args.rounds}) "
-          f"-> {push_s / raw_s:.2f}x (target <= {SYNC_TARGET}x)")
+    print(
+        f"  blocked rounds {rounds(push)}; raw rounds {rounds(raw)}; push waited at once {rounds(whole)}; "
+        f"forward+backward between {rounds(step_s)}"
+    )
+    print(
+        f"  the push waited for at once (transfer and load end to end): {whole_s:.3f}s -> {whole_s / raw_s:.2f}x "
+        f"the raw broadcast; the forward and backward of {args.step_tokens} tokens it overlaps: "
+        f"{median_high(step_s):.3f}s"
+    )
+    print(
+        f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
+        f"the trainer blocked {push_s:.3f}s by a push vs {raw_s:.3f}s by a raw broadcast (medians of {args.rounds}) "
+        f"-> {push_s / raw_s:.2f}x (target <= {SYNC_TARGET}x)"
+    )
     return push_s / raw_s, extra, plan
 
 
@@ -201,21 +247,52 @@ def bench_generate(args):
     from engine import Generator, make_engine
     from devices import prepare
     from train import parse_config
-    cfg = parse_config(["--regime", "stale", "--model", args.gen_model, "--out", "out/bench", "--synth-steps", "8",
-                        "--max-new-tokens", "96",
-                        "--prompts-per-step", str(args.prompts), "--group-size", "8", "--max-lag", "0",
-                        "--gen-device", args.gen_device, "--train-device", args.train_device])
-    env, = prepare(cfg)
+
+    cfg = parse_config(
+        [
+            "--regime",
+            "stale",
+            "--model",
+            args.gen_model,
+            "--out",
+            "out/bench",
+            "--synth-steps",
+            "8",
+            "--max-new-tokens",
+            "96",
+            "--prompts-per-step",
+            str(args.prompts),
+            "--group-size",
+            "8",
+            "--max-lag",
+            "0",
+            "--gen-device",
+            args.gen_device,
+            "--train-device",
+            args.train_device,
+        ]
+    )
+    (env,) = prepare(cfg)
     if "VLLM_CPU_KVCACHE_SPACE" in env:  # two engines in this process: each gets its share
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = env["VLLM_CPU_KVCACHE_SPACE"]
     problems = load_problems("synth", "test", n=args.prompts, steps=8)
     tok = AutoTokenizer.from_pretrained(cfg["model_path"])
     gen = Generator(cfg, make_engine(dict(cfg, engine_device=cfg["gen_devices"][0])), problems, tok, [])
-    llm = LLM(model=cfg["model_path"], seed=0, dtype="float32" if cfg["gen_devices"][0] == "cpu" else "bfloat16",
-              max_model_len=cfg["max_model_len"], enable_prefix_caching=False, enable_chunked_prefill=False,
-              max_num_seqs=cfg["max_num_seqs"], enforce_eager=cfg["gen_devices"][0] == "cpu",
-              logprobs_mode="processed_logprobs", gpu_memory_utilization=cfg["gen_memory_utilization"])
-    params = SamplingParams(temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0, detokenize=False)
+    llm = LLM(
+        model=cfg["model_path"],
+        seed=0,
+        dtype="float32" if cfg["gen_devices"][0] == "cpu" else "bfloat16",
+        max_model_len=cfg["max_model_len"],
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        max_num_seqs=cfg["max_num_seqs"],
+        enforce_eager=cfg["gen_devices"][0] == "cpu",
+        logprobs_mode="processed_logprobs",
+        gpu_memory_utilization=cfg["gen_memory_utilization"],
+    )
+    params = SamplingParams(
+        temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0, detokenize=False
+    )
     prompts = [dict(prompt_token_ids=ids) for ids in prompt_ids(tok, problems, "synth") for _ in range(8)]
     ours, theirs = [], []
     for _ in range(args.rounds):  # alternate, so both see the same machine; the first round warms up
@@ -230,9 +307,11 @@ def bench_generate(args):
         outs = llm.generate(prompts, params, use_tqdm=False)
         theirs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.time() - t0))
     ours, theirs = median_high(ours[1:]), median_high(theirs[1:])
-    print(f"generation ({len(prompts)} answers, median of {args.rounds - 1} rounds each): step loop {ours:.0f} tok/s "
-          f"vs LLM.generate {theirs:.0f} tok/s "
-          f"-> {ours / theirs:.2f}x (target >= {GENERATE_TARGET}x)")
+    print(
+        f"generation ({len(prompts)} answers, median of {args.rounds - 1} rounds each): step loop {ours:.0f} tok/s "
+        f"vs LLM.generate {theirs:.0f} tok/s "
+        f"-> {ours / theirs:.2f}x (target >= {GENERATE_TARGET}x)"
+    )
     return ours / theirs
 
 
@@ -240,18 +319,39 @@ def bench_provenance(args):
     """Tokens/s of the step loop with and without the provenance record, same engine,
     alternating rounds; and answers.jsonl's bytes per token."""
     import json
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
     from data import load_problems
     from engine import Generator, Rollout, make_engine
     from devices import prepare
     from train import parse_config
-    cfg = parse_config(["--regime", "stale", "--out", "out/bench", "--prompts-per-step", str(args.prompts),
-                        "--max-lag", "0", "--gen-device", args.gen_device, "--train-device", args.train_device])
+
+    cfg = parse_config(
+        [
+            "--regime",
+            "stale",
+            "--out",
+            "out/bench",
+            "--prompts-per-step",
+            str(args.prompts),
+            "--max-lag",
+            "0",
+            "--gen-device",
+            args.gen_device,
+            "--train-device",
+            args.train_device,
+        ]
+    )
     prepare(cfg)  # the synth defaults: 2-operation problems, group size 8, as a default run
     problems = load_problems("synth", "train", n=args.prompts, steps=cfg["synth_steps"])
-    gen = Generator(cfg, make_engine(dict(cfg, engine_device=cfg["gen_devices"][0])), problems,
-                    AutoTokenizer.from_pretrained(cfg["model_path"]), [])
+    gen = Generator(
+        cfg,
+        make_engine(dict(cfg, engine_device=cfg["gen_devices"][0])),
+        problems,
+        AutoTokenizer.from_pretrained(cfg["model_path"]),
+        [],
+    )
     with_record = Rollout.record
 
     def without_record(self, token_ids, logprobs, version, step, t0, t1):  # the record before provenance
@@ -262,6 +362,7 @@ def bench_provenance(args):
             self.logprobs.append(lp)
             self.versions.append(version)
             self.stale.append(self.kv_version < version)
+
     rates = {"with": [], "without": []}
     for i in range(2 * args.rounds):  # alternate; the first round of each kind warms up
         kind = ["with", "without"][i % 2]
@@ -279,13 +380,15 @@ def bench_provenance(args):
     # the record itself, outside the engine: one call per answer per step, as Generator.step makes them
     cost = {}
     for kind, fn in [("with", with_record), ("without", without_record)] * 3:
-        r = Rollout("0-0", 0, 0, [1] * 20, 10 ** 6, 0.0)
+        r = Rollout("0-0", 0, 0, [1] * 20, 10**6, 0.0)
         t0 = time.perf_counter()
         for step in range(100_000):
             fn(r, [7], [-0.5], 0, step, 0.0, 0.0)
         cost[kind] = min(cost.get(kind, 1e9), (time.perf_counter() - t0) / 100_000 * 1e6)
-    print(f"Rollout.record per call (one token): with {cost['with']:.2f} us, without {cost['without']:.2f} us "
-          "(best of 3, alternating)")
+    print(
+        f"Rollout.record per call (one token): with {cost['with']:.2f} us, without {cost['without']:.2f} us "
+        "(best of 3, alternating)"
+    )
     # the lines runlog.RunLog.answers writes for these answers (the last round was "without": one more "with")
     gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
     gen.outbox.clear()
@@ -293,31 +396,61 @@ def bench_provenance(args):
     while gen.inflight:
         gen.step()
     samples = [item for kind, item in gen.outbox if kind == "sample"]
-    size = sum(len(json.dumps(dict(sample_id=s["sample_id"], group_id=s["group_id"], prompt_id=s["prompt_id"],
-                                   tokens=len(s["token_ids"]), fate="consumed", step=1, t=time.time(),
-                                   **s["provenance"]))) + 1 for s in samples)
+    size = sum(
+        len(
+            json.dumps(
+                dict(
+                    sample_id=s["sample_id"],
+                    group_id=s["group_id"],
+                    prompt_id=s["prompt_id"],
+                    tokens=len(s["token_ids"]),
+                    fate="consumed",
+                    step=1,
+                    t=time.time(),
+                    **s["provenance"],
+                )
+            )
+        )
+        + 1
+        for s in samples
+    )
     tokens = sum(len(s["token_ids"]) for s in samples)
-    print(f"provenance ({len(samples)} answers, median of {args.rounds - 1} rounds each): with {w:.0f} tok/s, "
-          f"without {wo:.0f} tok/s -> {w / wo:.3f}x; answers.jsonl {size / len(samples):.0f} bytes per answer, "
-          f"{size / tokens:.1f} bytes per generated token ({tokens / len(samples):.1f} tokens per answer)")
+    print(
+        f"provenance ({len(samples)} answers, median of {args.rounds - 1} rounds each): with {w:.0f} tok/s, "
+        f"without {wo:.0f} tok/s -> {w / wo:.3f}x; answers.jsonl {size / len(samples):.0f} bytes per answer, "
+        f"{size / tokens:.1f} bytes per generated token ({tokens / len(samples):.1f} tokens per answer)"
+    )
     return w / wo
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sync-model", default="medium",
-                   help="model whose weights are pushed ('medium': a random ~50M Qwen3)")
+    p.add_argument(
+        "--sync-model", default="medium", help="model whose weights are pushed ('medium': a random ~50M Qwen3)"
+    )
     p.add_argument("--rounds", type=int, default=7, help="pushes (and raw broadcasts) to take the median of")
-    p.add_argument("--step-tokens", type=int, default=128,
-                   help="tokens of the forward and backward a push overlaps, as the next training step's")
-    p.add_argument("--push-ahead-mib", type=int, default=PUSH_AHEAD_BYTES // 2**20,
-                   help="how far the engine's receiving runs ahead of vLLM's loader (preflight.PUSH_AHEAD_BYTES)")
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=128,
+        help="tokens of the forward and backward a push overlaps, as the next training step's",
+    )
+    p.add_argument(
+        "--push-ahead-mib",
+        type=int,
+        default=PUSH_AHEAD_BYTES // 2**20,
+        help="how far the engine's receiving runs ahead of vLLM's loader (preflight.PUSH_AHEAD_BYTES)",
+    )
     p.add_argument("--gen-model", default="tiny", help="model for the generation benchmark ('tiny', 'smol', a path)")
     p.add_argument("--prompts", type=int, default=16, help="prompts for the generation benchmark (x8 answers each)")
     p.add_argument("--gen-device", default="auto")
     p.add_argument("--train-device", default="auto")
-    p.add_argument("--only", choices=["sync", "generate", "provenance"], default=None,
-                   help="run one benchmark (provenance runs only when asked)")
+    p.add_argument(
+        "--only",
+        choices=["sync", "generate", "provenance"],
+        default=None,
+        help="run one benchmark (provenance runs only when asked)",
+    )
     args = p.parse_args()
     missed = []
     if args.only == "provenance":

@@ -27,23 +27,51 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
 
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)  # Qwen/Qwen3-0.6B's config.json
+QWEN3_06B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)  # Qwen/Qwen3-0.6B's config.json
 QWEN3 = {  # their config.json (Hub, 2025), as far as the memory plan reads it; 8B alone unties lm_head
     "Qwen3-0.6B": QWEN3_06B,
     "Qwen3-1.7B": dict(QWEN3_06B, hidden_size=2048, intermediate_size=6144),
     "Qwen3-4B": dict(QWEN3_06B, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
-    "Qwen3-8B": dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, tie_word_embeddings=False),
+    "Qwen3-8B": dict(
+        QWEN3_06B,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+    ),
 }
 SHAPES = {  # the dataset defaults of train.py: 32 prompts x 8 answers
     "gsm8k": dict(arch=QWEN3_06B, answers=256, prompt=150, max_new_tokens=1024, median=300),
     "math": dict(arch=QWEN3_06B, answers=256, prompt=120, max_new_tokens=2048, median=600),
     # whole-batch float32 logits of 8 x ~1000 answer tokens at this vocabulary: ~5 GB
-    "small": dict(arch=dict(QWEN3_06B, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                            num_attention_heads=1, num_key_value_heads=1, head_dim=16),
-                  answers=8, prompt=24, max_new_tokens=1024, median=1024),
+    "small": dict(
+        arch=dict(
+            QWEN3_06B,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=16,
+        ),
+        answers=8,
+        prompt=24,
+        max_new_tokens=1024,
+        median=1024,
+    ),
 }
 
 
@@ -51,13 +79,22 @@ def make_batch(shape, worst_case, vocab, seed=0):
     """Samples as the generator sends them (random tokens; behaviour logprobs near
     the current policy's, so importance weights stay near 1) and their advantages."""
     import torch
+
     rng = random.Random(seed)
     batch = []
     for _ in range(shape["answers"]):
-        n = shape["max_new_tokens"] if worst_case else \
-            max(8, min(shape["max_new_tokens"], int(rng.lognormvariate(0, 0.6) * shape["median"])))
-        batch.append(dict(prompt_ids=torch.randint(vocab, (shape["prompt"],)), token_ids=torch.randint(vocab, (n,)),
-                          logprobs=torch.full((n,), -12.0)))  # ~log(1/vocab): a random model's logprobs
+        n = (
+            shape["max_new_tokens"]
+            if worst_case
+            else max(8, min(shape["max_new_tokens"], int(rng.lognormvariate(0, 0.6) * shape["median"])))
+        )
+        batch.append(
+            dict(
+                prompt_ids=torch.randint(vocab, (shape["prompt"],)),
+                token_ids=torch.randint(vocab, (n,)),
+                logprobs=torch.full((n,), -12.0),
+            )
+        )  # ~log(1/vocab): a random model's logprobs
     adv = torch.tensor([rng.choice([-1.0, 1.0]) for _ in batch])
     return batch, adv
 
@@ -67,9 +104,13 @@ def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
     from transformers import AutoConfig
     from preflight import memory_plan
     from grpo import LOGIT_CHUNK_BYTES
+
     cfg = dict(trainer_device="cuda:0", micro_batch_tokens=micro_batch_tokens)
-    print(f"| GiB per trainer rank (--micro-batch-tokens {micro_batch_tokens}) | parameters | "
-          + " | ".join(f"{k} rank{'s' * (k > 1)}" for k in world_sizes) + " |")
+    print(
+        f"| GiB per trainer rank (--micro-batch-tokens {micro_batch_tokens}) | parameters | "
+        + " | ".join(f"{k} rank{'s' * (k > 1)}" for k in world_sizes)
+        + " |"
+    )
     print("|---|---|" + "---|" * len(world_sizes))
     for name, arch in QWEN3.items():
         config = AutoConfig.for_model("qwen3", **arch)
@@ -77,19 +118,25 @@ def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
         n = plans[0]["weights + grads (fp32)"] / 8
         print(f"| {name} | {n / 1e9:.2f}B | " + " | ".join(f"{sum(p.values()) / 2**30:.1f}" for p in plans) + " |")
     from preflight import engine_plan
-    print("\n| GiB per generator engine, beside vLLM's share of its GPU | parameters (bf16) | a push's buffers, now "
-          "(a module, and the run-ahead) | before (a second copy of the model) | 80 GB card at 0.85: left outside |")
+
+    print(
+        "\n| GiB per generator engine, beside vLLM's share of its GPU | parameters (bf16) | a push's buffers, now "
+        "(a module, and the run-ahead) | before (a second copy of the model) | 80 GB card at 0.85: left outside |"
+    )
     print("|---|---|---|---|---|")
     for name, arch in QWEN3.items():
         config = AutoConfig.for_model("qwen3", **arch)
         n = memory_plan(cfg, config, LOGIT_CHUNK_BYTES)["weights + grads (fp32)"] / 8
         whole = 2 * n + (2 * config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0)  # + lm_head
-        print(f"| {name} | {2 * n / 2**30:.1f} | {engine_plan(config) / 2**30:.2f} | {whole / 2**30:.1f} | "
-              f"{(0.15 * 80e9 - 2**30) / 2**30:.1f} |")
+        print(
+            f"| {name} | {2 * n / 2**30:.1f} | {engine_plan(config) / 2**30:.2f} | {whole / 2**30:.1f} | "
+            f"{(0.15 * 80e9 - 2**30) / 2**30:.1f} |"
+        )
 
 
 def peak_bytes(device):
     import torch
+
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -102,20 +149,31 @@ def main(argv=None):
     p.add_argument("--micro-batch-tokens", type=int, default=16384, help="train.py's flag")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (the first one warms up)")
     p.add_argument("--worst-case", action="store_true", help="every answer as long as max_new_tokens")
-    p.add_argument("--plan", action="store_true", help="print preflight.memory_plan per trainer rank (GPU, "
-                                                      "--micro-batch-tokens) for Qwen3 0.6B-8B on 1-8 ranks, and stop")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print preflight.memory_plan per trainer rank (GPU, "
+        "--micro-batch-tokens) for Qwen3 0.6B-8B on 1-8 ranks, and stop",
+    )
     args = p.parse_args(argv)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from preflight import memory_plan
     from grpo import LOGIT_CHUNK_BYTES, activation_checkpointing, micro_batches, token_weights, train_step
+
     if args.plan:
         return print_plans(args.micro_batch_tokens)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda:0" if device == "cuda" else device
     shape = SHAPES[args.shape]
-    cfg = dict(micro_batch_tokens=args.micro_batch_tokens, temperature=1.0, loss="tis", is_cap=2.0,
-               trainer_device=device, loss_agg="token")
+    cfg = dict(
+        micro_batch_tokens=args.micro_batch_tokens,
+        temperature=1.0,
+        loss="tis",
+        is_cap=2.0,
+        trainer_device=device,
+        loss_agg="token",
+    )
     config = AutoConfig.for_model("qwen3", **shape["arch"])
     plan = memory_plan(cfg, config, LOGIT_CHUNK_BYTES)
     batch, adv = make_batch(shape, args.worst_case, config.vocab_size)
@@ -141,19 +199,32 @@ def main(argv=None):
             torch.cuda.synchronize()
         times.append(time.time() - t0)
     step_s = min(times[1:] or times)
-    out = dict(shape=args.shape, device=device, params=sum(p.numel() for p in model.parameters()),
-               answers=len(batch), answer_tokens=answer_tokens, micro_batches=len(mbs),
-               largest_micro_batch_tokens=max(padded), step_s=round(step_s, 3),
-               answer_tok_per_s=round(answer_tokens / step_s), padded_tok_per_s=round(sum(padded) / step_s),
-               peak_bytes=peak_bytes(device) - (0 if device.startswith("cuda") else base),
-               plan_bytes=sum(plan.values()), whole_batch_logits_bytes=4 * answer_tokens * config.vocab_size,
-               loss=loss)
+    out = dict(
+        shape=args.shape,
+        device=device,
+        params=sum(p.numel() for p in model.parameters()),
+        answers=len(batch),
+        answer_tokens=answer_tokens,
+        micro_batches=len(mbs),
+        largest_micro_batch_tokens=max(padded),
+        step_s=round(step_s, 3),
+        answer_tok_per_s=round(answer_tokens / step_s),
+        padded_tok_per_s=round(sum(padded) / step_s),
+        peak_bytes=peak_bytes(device) - (0 if device.startswith("cuda") else base),
+        plan_bytes=sum(plan.values()),
+        whole_batch_logits_bytes=4 * answer_tokens * config.vocab_size,
+        loss=loss,
+    )
     gib = lambda b: f"{b / 2**30:.2f} GiB"
-    print(f"{args.shape} on {device}: {out['params'] / 1e6:.1f}M params, {len(batch)} answers, {answer_tokens} answer "
-          f"tokens in {len(mbs)} micro-batches (largest {max(padded)} padded tokens, budget {args.micro_batch_tokens})")
+    print(
+        f"{args.shape} on {device}: {out['params'] / 1e6:.1f}M params, {len(batch)} answers, {answer_tokens} answer "
+        f"tokens in {len(mbs)} micro-batches (largest {max(padded)} padded tokens, budget {args.micro_batch_tokens})"
+    )
     print(f"  step {step_s:.2f}s -> {out['answer_tok_per_s']} answer tokens/s ({out['padded_tok_per_s']} padded)")
-    print(f"  peak memory {gib(out['peak_bytes'])} (train.py's plan: {gib(out['plan_bytes'])}; whole-batch float32 "
-          f"logits alone would be {gib(out['whole_batch_logits_bytes'])})")
+    print(
+        f"  peak memory {gib(out['peak_bytes'])} (train.py's plan: {gib(out['plan_bytes'])}; whole-batch float32 "
+        f"logits alone would be {gib(out['whole_batch_logits_bytes'])})"
+    )
     print(json.dumps(out))
     return out
 

@@ -67,7 +67,7 @@ def engine_costs(answers, evals, engines=1):
             for t0, t1, _, n, _ in x["segments"]:
                 if t1 > until[e] or any(e0 < t1 and t0 < e1 for e0, e1 in evals):  # evaluations share steps, unseen
                     continue
-                inside = steps[bisect.bisect_left(starts, t0):bisect.bisect_right(starts, t1)]
+                inside = steps[bisect.bisect_left(starts, t0) : bisect.bisect_right(starts, t1)]
                 rows.append((n, sum(tokens[s] for s in inside if s[1] <= t1), t1 - t0))
     # normal equations of  seconds = step_s * n + prefill_s * tokens
     snn = sum(n * n for n, _, _ in rows)
@@ -77,7 +77,9 @@ def engine_costs(answers, evals, engines=1):
     sps = sum(p * s for _, p, s in rows)
     det = snn * spp - snp * snp
     if not rows or det <= 0:
-        raise SystemExit("clock_costs.py: too few engine steps with and without prefills in this run to tell them apart")
+        raise SystemExit(
+            "clock_costs.py: too few engine steps with and without prefills in this run to tell them apart"
+        )
     return (sns * spp - sps * snp) / det, (snn * sps - snp * sns) / det, len(rows)
 
 
@@ -95,12 +97,16 @@ def main():
     step_s, prefill_s, n = engine_costs(read_jsonl(os.path.join(run, "answers.jsonl")), evals, engines)
     training = [t1 - t0 for proc, what, t0, t1 in activity_spans(events) if proc == "trainer" and what == "training"]
     if any("run_tokens" not in m for m in metrics):
-        raise SystemExit(f"clock_costs.py: {run}'s metrics.jsonl has no run_tokens (a run from before they were logged)")
+        raise SystemExit(
+            f"clock_costs.py: {run}'s metrics.jsonl has no run_tokens (a run from before they were logged)"
+        )
     train_s = sum(training) / sum(m["run_tokens"] for m in metrics)
     loads = [e["t1"] - e["t0"] for e in events if e.get("mark") == "load"]
     print(f"{run}: {n} answer segments, {len(training)} trainer steps, {len(loads)} weight loads")
-    print(f"--step-s {step_s:.4g} --prefill-s {prefill_s:.3g} --train-s {train_s:.4g} "
-          f"--load-s {sum(loads) / len(loads):.4g}")
+    print(
+        f"--step-s {step_s:.4g} --prefill-s {prefill_s:.3g} --train-s {train_s:.4g} "
+        f"--load-s {sum(loads) / len(loads):.4g}"
+    )
 
 
 if __name__ == "__main__":

@@ -25,23 +25,38 @@ from runlog import per_token, read_jsonl  # noqa: E402
 
 LONG = ("--preset", "long")
 EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
-    "regimes": ("the five regimes on the long preset, at the default costs",
-                [(r, (*LONG, "--regime", r)) for r in ("sync", "drain", "discard", "stale", "recompute")]),
-    "speed": ("stale tokens against the trainer's speed: --train-s, simulated seconds per trained token, "
-              "as a multiple of the default 1.16e-4",
-              [(f"--train-s {1.16 * x:g}e-4 (x{x:g})", (*LONG, "--regime", "stale", "--train-s", f"{1.16 * x:g}e-4"))
-               for x in (0.25, 0.5, 1, 2, 4)]),
-    "max_lag": ("how far ahead the generator may run (--max-lag), stale",
-                [(f"--max-lag {k}", (*LONG, "--regime", "stale", "--max-lag", str(k))) for k in (1, 2, 4)]),
-    "loss": ("the off-policy correction, stale",
-             [("--loss tis --is-cap 2", (*LONG, "--regime", "stale")),
-              ("--loss tis --is-cap 1.2", (*LONG, "--regime", "stale", "--is-cap", "1.2")),
-              ("--loss ppo", (*LONG, "--regime", "stale", "--loss", "ppo"))]),
-    "loss_agg": ("how the loss averages over tokens (--loss-agg), stale",
-                 [(f"--loss-agg {a}", (*LONG, "--regime", "stale", "--loss-agg", a))
-                  for a in ("token", "answer", "constant")]),
-    "answers": ("short answers (the default preset) against long ones, stale",
-                [("default preset", ("--regime", "stale")), ("--preset long", (*LONG, "--regime", "stale"))]),
+    "regimes": (
+        "the five regimes on the long preset, at the default costs",
+        [(r, (*LONG, "--regime", r)) for r in ("sync", "drain", "discard", "stale", "recompute")],
+    ),
+    "speed": (
+        "stale tokens against the trainer's speed: --train-s, simulated seconds per trained token, "
+        "as a multiple of the default 1.16e-4",
+        [
+            (f"--train-s {1.16 * x:g}e-4 (x{x:g})", (*LONG, "--regime", "stale", "--train-s", f"{1.16 * x:g}e-4"))
+            for x in (0.25, 0.5, 1, 2, 4)
+        ],
+    ),
+    "max_lag": (
+        "how far ahead the generator may run (--max-lag), stale",
+        [(f"--max-lag {k}", (*LONG, "--regime", "stale", "--max-lag", str(k))) for k in (1, 2, 4)],
+    ),
+    "loss": (
+        "the off-policy correction, stale",
+        [
+            ("--loss tis --is-cap 2", (*LONG, "--regime", "stale")),
+            ("--loss tis --is-cap 1.2", (*LONG, "--regime", "stale", "--is-cap", "1.2")),
+            ("--loss ppo", (*LONG, "--regime", "stale", "--loss", "ppo")),
+        ],
+    ),
+    "loss_agg": (
+        "how the loss averages over tokens (--loss-agg), stale",
+        [(f"--loss-agg {a}", (*LONG, "--regime", "stale", "--loss-agg", a)) for a in ("token", "answer", "constant")],
+    ),
+    "answers": (
+        "short answers (the default preset) against long ones, stale",
+        [("default preset", ("--regime", "stale")), ("--preset long", (*LONG, "--regime", "stale"))],
+    ),
 }
 TARGET = 0.55  # the long preset's target accuracy (RESULTS.md)
 
@@ -63,27 +78,37 @@ def summary(run):
     ledger = json.load(open(os.path.join(run, "ledger.json")))
     gen, trainer, total = ledger["seconds"].get("generator", {}), ledger["seconds"]["trainer"], ledger["total_s"]
     reached = [m["wall_s"] for m in evals if m["eval_acc"] >= TARGET] if evals[0]["eval_acc"] < TARGET else []
-    return dict(final=evals[-1]["eval_acc"], start=evals[0]["eval_acc"], stale=per_token(steps, "stale_token_frac"),
-                lag=per_token(steps, "lag_mean"), spanning=sum(m["spanning_frac"] for m in steps) / len(steps),
-                gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / total,
-                waiting=trainer.get("waiting", 0) / total,
-                discarded=ledger["tokens"]["discarded"] / ledger["tokens"]["generated"],
-                recomputed=ledger["tokens"]["recomputed"] / ledger["tokens"]["generated"],
-                steps_per_min=60 * len(steps) / steps[-1]["wall_s"], to_target=reached[0] if reached else None,
-                wall=steps[-1]["wall_s"])
+    return dict(
+        final=evals[-1]["eval_acc"],
+        start=evals[0]["eval_acc"],
+        stale=per_token(steps, "stale_token_frac"),
+        lag=per_token(steps, "lag_mean"),
+        spanning=sum(m["spanning_frac"] for m in steps) / len(steps),
+        gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / total,
+        waiting=trainer.get("waiting", 0) / total,
+        discarded=ledger["tokens"]["discarded"] / ledger["tokens"]["generated"],
+        recomputed=ledger["tokens"]["recomputed"] / ledger["tokens"]["generated"],
+        steps_per_min=60 * len(steps) / steps[-1]["wall_s"],
+        to_target=reached[0] if reached else None,
+        wall=steps[-1]["wall_s"],
+    )
 
 
 def table(name, rows):
     what, _ = EXPERIMENTS[name]
-    head = ("| | pass@1 start -> end | s to 0.55 | steps/min | stale tokens | lag | answers spanning a push "
-            "| generator idle or draining | trainer waiting | discarded / recomputed tokens |")
+    head = (
+        "| | pass@1 start -> end | s to 0.55 | steps/min | stale tokens | lag | answers spanning a push "
+        "| generator idle or draining | trainer waiting | discarded / recomputed tokens |"
+    )
     lines = [f"**{name}**: {what} (simulated seconds)", "", head, "|---" * 10 + "|"]
     for label, s in rows:
-        lines.append(f"| {label} | {s['start']:.3f} -> {s['final']:.3f} | "
-                     + (f"{s['to_target']:.0f}" if s["to_target"] is not None else "-")
-                     + f" | {s['steps_per_min']:.1f} | {100 * s['stale']:.1f}% | {s['lag']:.2f} | "
-                     f"{100 * s['spanning']:.0f}% | {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% | "
-                     f"{100 * s['discarded']:.0f}% / {100 * s['recomputed']:.0f}% |")
+        lines.append(
+            f"| {label} | {s['start']:.3f} -> {s['final']:.3f} | "
+            + (f"{s['to_target']:.0f}" if s["to_target"] is not None else "-")
+            + f" | {s['steps_per_min']:.1f} | {100 * s['stale']:.1f}% | {s['lag']:.2f} | "
+            f"{100 * s['spanning']:.0f}% | {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% | "
+            f"{100 * s['discarded']:.0f}% / {100 * s['recomputed']:.0f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -97,12 +122,15 @@ def main():
     if unknown:
         p.error(f"unknown experiment {unknown[0]!r}: choose from {', '.join(EXPERIMENTS)}")
     import lesson
+
     first = {}  # lesson.py's settings -> the first run directory that has them
     for name, (_, runs) in EXPERIMENTS.items():
         for label, flags in runs:
             key = json.dumps(lesson.parse_config([*flags, "--out", "-"]), sort_keys=True)
-            first.setdefault(key, os.path.join(args.out, name, "".join(c for c in label.replace("--", "_")
-                                                                       if c.isalnum() or c in "._-")))
+            first.setdefault(
+                key,
+                os.path.join(args.out, name, "".join(c for c in label.replace("--", "_") if c.isalnum() or c in "._-")),
+            )
     for name in args.experiments or EXPERIMENTS:
         rows = []
         for label, flags in EXPERIMENTS[name][1]:
@@ -111,8 +139,11 @@ def main():
                 if args.table_only:
                     continue
                 print(f"{name}: lesson.py {' '.join(flags)} -> {run}", file=sys.stderr, flush=True)
-                subprocess.run([sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
-                               check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
             rows.append((label, summary(run)))
         print(table(name, rows) + "\n", flush=True)
 

@@ -33,80 +33,119 @@ EXERCISES = {
         where=("grpo.py", "advantages"),
         task="GRPO's advantage: each answer's reward minus its group's mean, over its group's std (+1e-4)",
         hint="rewards arrive group after group: view them as (groups, group_size), use torch's std (unbiased)",
-        graders=["tests/test_train.py::test_advantages_by_hand",
-                 "tests/test_graders.py::test_advantages_of_a_group_of_two_and_of_equal_rewards",
-                 "tests/test_lesson.py::test_the_step_is_train_pys"]),
+        graders=[
+            "tests/test_train.py::test_advantages_by_hand",
+            "tests/test_graders.py::test_advantages_of_a_group_of_two_and_of_equal_rewards",
+            "tests/test_lesson.py::test_the_step_is_train_pys",
+        ],
+    ),
     "loss": dict(
         where=("grpo.py", "loss_tis"),
         task="token-level truncated importance sampling: w = min(pi/mu, is_cap), detached; per-token loss "
-             "-w A log pi; return it and which tokens the cap bound (pi/mu > is_cap)",
+        "-w A log pi; return it and which tokens the cap bound (pi/mu > is_cap)",
         hint="logp is log pi (with a gradient), mu is log mu (from generation); exp of their difference is pi/mu",
-        graders=["tests/test_losses.py::test_loss_by_hand[tis]",
-                 "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[tis-token-False-nonzero]",
-                 "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[tis-answer-False-some zero]"]),
+        graders=[
+            "tests/test_losses.py::test_loss_by_hand[tis]",
+            "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[tis-token-False-nonzero]",
+            "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[tis-answer-False-some zero]",
+        ],
+    ),
     "correction": dict(
         where=("grpo.py", "loss_icepop"),
         task="IcePop: decoupled PPO whose mismatch weight k = pi_old/mu is kept inside [icepop_low, icepop_high] "
-             "and set to 0 outside; return the per-token loss and which tokens were clipped or masked",
+        "and set to 0 outside; return the per-token loss and which tokens were clipped or masked",
         hint="ppo_clip gives PPO's surrogate against pi_old and where it binds; loss_ppo is one line away",
-        graders=["tests/test_losses.py::test_loss_by_hand[icepop]",
-                 "tests/test_graders.py::test_icepop_reports_a_masked_token_that_ppo_does_not_clip",
-                 "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[icepop-token-False-nonzero]"]),
+        graders=[
+            "tests/test_losses.py::test_loss_by_hand[icepop]",
+            "tests/test_graders.py::test_icepop_reports_a_masked_token_that_ppo_does_not_clip",
+            "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[icepop-token-False-nonzero]",
+        ],
+    ),
     "record": dict(
         where=("engine.py", "Rollout.record"),
         task="record a step's tokens: their version, logprobs and stale flag (sampled by `version` reading KV older "
-             "weights wrote); note a prefill (kv_version, recomputed tokens); return the tokens rebuilt",
+        "weights wrote); note a prefill (kv_version, recomputed tokens); return the tokens rebuilt",
         hint="kv_version is None exactly when this step was a (re)fill: then `version` wrote all of the KV",
-        graders=["tests/test_graders.py::test_record_by_hand",
-                 "tests/test_regimes.py::test_stale_reads_old_kv",
-                 "tests/test_regimes.py::test_recompute_rebuilds_kv"]),
+        graders=[
+            "tests/test_graders.py::test_record_by_hand",
+            "tests/test_regimes.py::test_stale_reads_old_kv",
+            "tests/test_regimes.py::test_recompute_rebuilds_kv",
+        ],
+    ),
     "recompute": dict(
         where=("regimes.py", "Recompute.switch"),
         task="recompute: take the answers out of vLLM, load the new weights, submit each again so one prefill "
-             "under v+1 rebuilds its KV (the partial answer keeps its tokens, logprobs and versions)",
+        "under v+1 rebuilds its KV (the partial answer keeps its tokens, logprobs and versions)",
         hint="Discard.switch is close; what must Rollout.record see to count the rebuild (kv_version)?",
-        graders=["tests/test_graders.py::test_recompute_switch_by_hand",
-                 "tests/test_regimes.py::test_recompute_rebuilds_kv",
-                 "tests/test_native.py::test_our_regime_is_vllms_own_mode[recompute-recompute]"]),
+        graders=[
+            "tests/test_graders.py::test_recompute_switch_by_hand",
+            "tests/test_regimes.py::test_recompute_rebuilds_kv",
+            "tests/test_native.py::test_our_regime_is_vllms_own_mode[recompute-recompute]",
+        ],
+    ),
     "max_lag": dict(
         where=("engine.py", "Generator.may_admit"),
         task="admit a group only if it is trained at most max_lag versions after the weights that start it: "
-             "(versions loaded + max_lag + 1) x prompts_per_step groups, + those the pool rejected; only while "
-             "admitting, while the outbox has room, while the KV cache holds one more group",
+        "(versions loaded + max_lag + 1) x prompts_per_step groups, + those the pool rejected; only while "
+        "admitting, while the outbox has room, while the KV cache holds one more group",
         hint="the pool trains groups in admission order; count versions from start_version (a resumed run)",
-        graders=["tests/test_graders.py::test_max_lag_admission_bound_by_hand",
-                 "tests/test_graders.py::test_max_lag_outbox_and_kv_cache_by_hand",
-                 "tests/test_lesson.py::test_max_lag_bounds_the_lag",
-                 "tests/test_generator.py::test_engine_settings_and_no_preemption"]),
+        graders=[
+            "tests/test_graders.py::test_max_lag_admission_bound_by_hand",
+            "tests/test_graders.py::test_max_lag_outbox_and_kv_cache_by_hand",
+            "tests/test_lesson.py::test_max_lag_bounds_the_lag",
+            "tests/test_generator.py::test_engine_settings_and_no_preemption",
+        ],
+    ),
     "pace": dict(
         where=("pace.py", "reject_stalest"),
         task="PACE: reject up to len(pool) - target groups, highest effective staleness first (ties: the group "
-             "that completed first), never leaving fewer than n; return them, removed from the pool",
+        "that completed first), never leaving fewer than n; return them, removed from the pool",
         hint="effective_staleness and _completed are there to use",
-        graders=[f"tests/test_pace.py::{t}" for t in (
-            "test_long_answer_with_one_old_token_is_fresher_than_short_old_answer",
-            "test_rejects_highest_effective_staleness_first", "test_lam_zero_ranks_by_waiting_only",
-            "test_budget_is_excess_occupancy", "test_never_rejects_below_what_the_step_needs",
-            "test_pace_pool_replaces_a_rejected_group_in_order")]
-                + ["tests/test_graders.py::test_pace_breaks_ties_by_completion",
-                   "tests/test_graders.py::test_pace_reject_by_hand"]),
+        graders=[
+            f"tests/test_pace.py::{t}"
+            for t in (
+                "test_long_answer_with_one_old_token_is_fresher_than_short_old_answer",
+                "test_rejects_highest_effective_staleness_first",
+                "test_lam_zero_ranks_by_waiting_only",
+                "test_budget_is_excess_occupancy",
+                "test_never_rejects_below_what_the_step_needs",
+                "test_pace_pool_replaces_a_rejected_group_in_order",
+            )
+        ]
+        + [
+            "tests/test_graders.py::test_pace_breaks_ties_by_completion",
+            "tests/test_graders.py::test_pace_reject_by_hand",
+        ],
+    ),
     "silent_behaviour": dict(
-        silent=("grpo.py", 'behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)',
-                "behaviour = logp.detach()"),
+        silent=(
+            "grpo.py",
+            'behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)',
+            "behaviour = logp.detach()",
+        ),
         task="this copy runs, learns, and is wrong: find what in its metrics.jsonl no asynchronous run can show, "
-             "then the line",
+        "then the line",
         hint="look at behaviour_gap and kl; then at what the loss divides pi by",
-        graders=[f"tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[{loss}-token-False-nonzero]"
-                 for loss in ("tis", "ppo", "cispo")]),  # none ignores mu: it passes either way
+        graders=[
+            f"tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[{loss}-token-False-nonzero]"
+            for loss in ("tis", "ppo", "cispo")
+        ],
+    ),  # none ignores mu: it passes either way
     "silent_stale": dict(
-        silent=("engine.py", "stale, n = self.kv_version < version, len(token_ids)",
-                "stale, n = self.kv_version < (self.versions[-1] if self.versions else version), len(token_ids)"),
+        silent=(
+            "engine.py",
+            "stale, n = self.kv_version < version, len(token_ids)",
+            "stale, n = self.kv_version < (self.versions[-1] if self.versions else version), len(token_ids)",
+        ),
         task="this copy runs, learns, and is wrong: its stale share is a little low; find where from answers.jsonl "
-             "(a stale run's segments around a switch), then the line",
+        "(a stale run's segments around a switch), then the line",
         hint="which weights wrote the KV that the first token after a switch reads?",
-        graders=["tests/test_graders.py::test_record_by_hand",
-                 "tests/test_regimes.py::test_stale_reads_old_kv",
-                 "tests/test_lesson.py::test_a_run_is_a_pure_function_of_its_flags[stale]"]),
+        graders=[
+            "tests/test_graders.py::test_record_by_hand",
+            "tests/test_regimes.py::test_stale_reads_old_kv",
+            "tests/test_lesson.py::test_a_run_is_a_pure_function_of_its_flags[stale]",
+        ],
+    ),
 }
 SKIP = (".git", ".venv", "out", "__pycache__", ".pytest_cache", ".hypothesis", "smol")
 # What `make` leaves out of the student's copy besides SKIP: the graders and every test
@@ -117,8 +156,15 @@ KEPT_BACK = ("tests", os.path.join("tools", "exercise.py"))
 # What `check` takes from this project rather than from the student's copy: the tests,
 # the tools they import, and anything that could change how pytest runs them.
 GRADING = ("tests", "tools")
-PYTEST_FILES = ("conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "sitecustomize.py",
-                "usercustomize.py")
+PYTEST_FILES = (
+    "conftest.py",
+    "pytest.ini",
+    "pyproject.toml",
+    "setup.cfg",
+    "tox.ini",
+    "sitecustomize.py",
+    "usercustomize.py",
+)
 
 
 def find(tree, qualname):
@@ -151,8 +197,9 @@ def answer(name):
     if "silent" in ex:
         return [ex["silent"][1].strip()]
     start, end, _ = body_lines(os.path.join(ROOT, ex["where"][0]), ex["where"][1])
-    return [line.strip() for line in open(os.path.join(ROOT, ex["where"][0])).read().split("\n")[start:end]
-            if line.strip()]
+    return [
+        line.strip() for line in open(os.path.join(ROOT, ex["where"][0])).read().split("\n")[start:end] if line.strip()
+    ]
 
 
 def replace(path, old, new):
@@ -164,9 +211,11 @@ def replace(path, old, new):
 
 def copy_code(src, dest, leave_out=KEPT_BACK):
     """Copy the project at `src` into `dest`: not SKIP, not `leave_out` (paths relative to src)."""
+
     def ignore(d, names):
         rel = os.path.relpath(d, src)
         return [n for n in names if n in SKIP or os.path.normpath(os.path.join(rel, n)) in leave_out]
+
     shutil.copytree(src, dest, ignore=ignore, dirs_exist_ok=True)
 
 
@@ -183,11 +232,15 @@ def make(name, dest):
         replace(os.path.join(dest, ex["silent"][0]), ex["silent"][1], ex["silent"][2])
     if os.path.exists(os.path.join(ROOT, ".venv")):  # the project's venv, so that .venv/bin/python runs in the copy
         os.symlink(os.path.realpath(os.path.join(ROOT, ".venv")), os.path.join(dest, ".venv"))
-    text = (f"# Exercise {name}\n\n{describe(name)}\n\nThe graders are not in this copy: "
-            f"from the project, `.venv/bin/python tools/exercise.py check {name} {dest}`.\n")
+    text = (
+        f"# Exercise {name}\n\n{describe(name)}\n\nThe graders are not in this copy: "
+        f"from the project, `.venv/bin/python tools/exercise.py check {name} {dest}`.\n"
+    )
     open(os.path.join(dest, "EXERCISE.md"), "w").write(text)
-    print(f"{dest}: exercise {name}\n{describe(name)}\n  check (from the project): "
-          f"{sys.executable} {os.path.join(ROOT, 'tools', 'exercise.py')} check {name} {dest}")
+    print(
+        f"{dest}: exercise {name}\n{describe(name)}\n  check (from the project): "
+        f"{sys.executable} {os.path.join(ROOT, 'tools', 'exercise.py')} check {name} {dest}"
+    )
 
 
 def describe(name):
@@ -201,9 +254,11 @@ def grading_tree(where, dest):
     """`dest`: the code of the copy `where` with this project's tests and tools (and no
     pytest configuration or conftest.py of the copy's), so that nothing edited in the copy
     but its code changes a grade."""
+
     def ignore(d, names):
         top = os.path.samefile(d, where)
         return [n for n in names if n in SKIP or n in PYTEST_FILES or (top and n in GRADING)]
+
     shutil.copytree(where, dest, ignore=ignore)
     for d in GRADING:
         shutil.copytree(os.path.join(ROOT, d), os.path.join(dest, d), ignore=shutil.ignore_patterns(*SKIP))
@@ -237,11 +292,13 @@ def outcomes(report, graders):
     """{grader: passed} from a junitxml report: passed only if it ran and neither failed,
     errored nor was skipped; a grader the report lacks (deselected, not collected) failed."""
     import xml.etree.ElementTree as ET
+
     ran = {}
     if os.path.exists(report):
         for case in ET.parse(report).iter("testcase"):
             ran[(tuple(case.get("classname", "").split(".")), case.get("name"))] = not any(
-                c.tag in ("failure", "error", "skipped") for c in case)
+                c.tag in ("failure", "error", "skipped") for c in case
+            )
     results = {}
     for g in graders:
         path, *names = g.split("::")
@@ -261,11 +318,28 @@ def check(graders, where):
     passed}. The tests are this project's (see grading_tree), run in a copy; a grader that does
     not pass (failed, errored, skipped, deselected, not collected) counts as failed."""
     import tempfile
+
     with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
         tree, report = os.path.join(tmp, "tree"), os.path.join(tmp, "report.xml")
         grading_tree(where, tree)
-        r = subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, "--rootdir", tree, "--confcutdir", tree,
-                            f"--junitxml={report}", *graders], cwd=tree, capture_output=True, text=True, env=env())
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                *PYTEST_ARGS,
+                "--rootdir",
+                tree,
+                "--confcutdir",
+                tree,
+                f"--junitxml={report}",
+                *graders,
+            ],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            env=env(),
+        )
         results = outcomes(report, graders)
     if not any(results.values()):
         print(r.stdout[-2000:] + r.stderr[-2000:], file=sys.stderr)
@@ -276,19 +350,26 @@ def check_many(graders, wheres):
     """check(graders, where) for each of `wheres`, each in its own forked pytest (POSIX only)."""
     import json
     import tempfile
+
     with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
         jobs = []
         for i, where in enumerate(wheres):
             grading_tree(where, os.path.join(tmp, str(i)))
             jobs.append([os.path.join(tmp, str(i)), os.path.join(tmp, f"{i}.xml"), graders])
-        subprocess.run([sys.executable, "-c", MANY, json.dumps(jobs), *PYTEST_ARGS], cwd=tmp,
-                       capture_output=True, text=True, env=env())
+        subprocess.run(
+            [sys.executable, "-c", MANY, json.dumps(jobs), *PYTEST_ARGS],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            env=env(),
+        )
         return [outcomes(report, graders) for _, report, _ in jobs]
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the exercises")
     m = sub.add_parser("make", help="a copy of the project with an exercise's code removed")

@@ -42,11 +42,15 @@ def check_devices(args):
     """Check 0: the layout train.py resolves here for --engines and --ranks."""
     import torch
     from devices import plan_devices
-    gens, trains, shared = plan_devices(args.gen_device or "auto", args.train_device or "auto", args.engines,
-                                        args.ranks, torch.cuda.device_count())
+
+    gens, trains, shared = plan_devices(
+        args.gen_device or "auto", args.train_device or "auto", args.engines, args.ranks, torch.cuda.device_count()
+    )
     gpus = [d for d in gens + trains if d != "cpu"]
-    return len(set(gpus)) + len(shared) == len(gpus), (f"generator {', '.join(gens)}; trainer ranks {', '.join(trains)}"
-                                                       + (f"; shared as asked: {', '.join(shared)}" if shared else ""))
+    return len(set(gpus)) + len(shared) == len(gpus), (
+        f"generator {', '.join(gens)}; trainer ranks {', '.join(trains)}"
+        + (f"; shared as asked: {', '.join(shared)}" if shared else "")
+    )
 
 
 def check_sync(args):
@@ -58,8 +62,22 @@ def check_sync(args):
     from devices import prepare
     from grpo import answer_logprobs
     from train import parse_config
-    cfg = parse_config(["--regime", "stale", "--out", "out/gpu_check/sync", "--max-new-tokens", "64",
-                        "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)])
+
+    cfg = parse_config(
+        [
+            "--regime",
+            "stale",
+            "--out",
+            "out/gpu_check/sync",
+            "--max-new-tokens",
+            "64",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            *common_flags(args),
+        ]
+    )
     envs = prepare(cfg)
     device = cfg["trainer_device"]
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).to(device)
@@ -89,13 +107,25 @@ def check_sync(args):
     diff = (new - mu).abs()
     d = diff.max().item() if kind == "max" else diff.mean().item()
     far = (before - mu).abs().mean().item()
-    return d < tol and far > 2 * tol, (f"{len(mu)} tokens of {len(samples)} answers from {args.engines} engine(s): {kind} |vLLM - trainer| {d:.2e} (tolerance "
-                                       f"{tol}); mean vs the unpushed weights {far:.2e} (must be > {2 * tol})")
+    return d < tol and far > 2 * tol, (
+        f"{len(mu)} tokens of {len(samples)} answers from {args.engines} engine(s): "
+        f"{kind} |vLLM - trainer| {d:.2e} (tolerance "
+        f"{tol}); mean vs the unpushed weights {far:.2e} (must be > {2 * tol})"
+    )
 
 
 def common_flags(args):
-    flags = ["--dataset", args.dataset, "--temperature", "1.0", "--eval-every", "0", "--no-plot",
-             "--engines", str(args.engines)]
+    flags = [
+        "--dataset",
+        args.dataset,
+        "--temperature",
+        "1.0",
+        "--eval-every",
+        "0",
+        "--no-plot",
+        "--engines",
+        str(args.engines),
+    ]
     for k in ("model", "data_file", "gen_device", "train_device"):
         if getattr(args, k):
             flags += ["--" + k.replace("_", "-"), getattr(args, k)]
@@ -105,10 +135,28 @@ def common_flags(args):
 def check_regime(args, regime):
     """Check 2 for one regime: a short train.py run, its metrics against the invariants."""
     out = os.path.join("out", "gpu_check", regime)
-    launch = [sys.executable] if args.ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                        "--nproc_per_node", str(args.ranks)]
-    cmd = [*launch, os.path.join(ROOT, "train.py"), "--regime", regime, "--out", out, "--steps", str(args.steps),
-           "--max-new-tokens", "128", "--prompts-per-step", "4", "--group-size", "4", *common_flags(args)]
+    launch = (
+        [sys.executable]
+        if args.ranks == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks)]
+    )
+    cmd = [
+        *launch,
+        os.path.join(ROOT, "train.py"),
+        "--regime",
+        regime,
+        "--out",
+        out,
+        "--steps",
+        str(args.steps),
+        "--max-new-tokens",
+        "128",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        *common_flags(args),
+    ]
     shutil.rmtree(out, ignore_errors=True)  # a run directory appends: start from none
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -134,9 +182,12 @@ def check_regime(args, regime):
     steps_s = m[-1]["wall_s"] - m[0]["wall_s"]
     train_tok_s = sum(x["trained_tokens"] for x in m[1:]) / max(steps_s, 1e-9)
     peak = max((x.get("train_peak_gib", 0) for x in m), default=0)  # logged on a GPU only
-    info = (f"{len(m)} steps in {time.time() - t0:.0f}s; gen {sum(x['gen_tok_per_s'] for x in m) / len(m):.0f} tok/s, "
-            f"trained {train_tok_s:.0f} tok/s, stale {100 * max(x['stale_token_frac'] for x in m):.0f}% max; "
-            + (f"trainer peak {peak:.1f} GiB; " if peak else "") + kv.split(": ", 1)[1])
+    info = (
+        f"{len(m)} steps in {time.time() - t0:.0f}s; gen {sum(x['gen_tok_per_s'] for x in m) / len(m):.0f} tok/s, "
+        f"trained {train_tok_s:.0f} tok/s, stale {100 * max(x['stale_token_frac'] for x in m):.0f}% max; "
+        + (f"trainer peak {peak:.1f} GiB; " if peak else "")
+        + kv.split(": ", 1)[1]
+    )
     return not problems, "; ".join(problems) or info
 
 
@@ -144,17 +195,23 @@ def check_push(args):
     """Check 3: bench_sync.py's push against a raw broadcast of the same bytes."""
     from config import model_path
     from tools.bench_sync import bench_sync
+
     model = args.model or "Qwen/Qwen3-0.6B"
     model = model_path(model)
-    ratio = bench_sync(argparse.Namespace(sync_model=model, rounds=5, gen_device=args.gen_device or "auto",
-                                          train_device=args.train_device or "auto"))
+    ratio = bench_sync(
+        argparse.Namespace(
+            sync_model=model, rounds=5, gen_device=args.gen_device or "auto", train_device=args.train_device or "auto"
+        )
+    )
     from tools.bench_sync import SYNC_TARGET
+
     return ratio <= SYNC_TARGET, f"{ratio:.2f}x (target <= {SYNC_TARGET}x: the push includes the engine's load)"
 
 
 def main(argv=None):
     from data import DATASETS
     from regimes import REGIMES
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="Hub id or directory (default: train.py's for --dataset)")
     p.add_argument("--dataset", default="gsm8k", choices=DATASETS, help="prompts to use")

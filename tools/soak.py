@@ -60,8 +60,18 @@ def main():
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     run = args.out or os.path.join("out", f"soak-{time.strftime('%m%d-%H%M%S')}")
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", str(args.steps), "--eval-every", "0", "--no-plot",
-           "--out", run, *args.train_args]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        "--steps",
+        str(args.steps),
+        "--eval-every",
+        "0",
+        "--no-plot",
+        "--out",
+        run,
+        *args.train_args,
+    ]
     print(" ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     step = [0]
@@ -88,13 +98,19 @@ def main():
             if not gen.is_running():
                 break
             try:
-                s = dict(step=step[0], t=round(time.time() - t0, 1), trainer_mib=trainer.memory_info().rss / 2**20,
-                         generator_mib=gen.memory_info().rss / 2**20)
+                s = dict(
+                    step=step[0],
+                    t=round(time.time() - t0, 1),
+                    trainer_mib=trainer.memory_info().rss / 2**20,
+                    generator_mib=gen.memory_info().rss / 2**20,
+                )
             except psutil.NoSuchProcess:
                 break
             if samples and s["step"] // 100 > samples[-1]["step"] // 100:
-                print(f"  step {s['step']}: trainer {s['trainer_mib']:.0f} MiB, "
-                      f"generator {s['generator_mib']:.0f} MiB", flush=True)
+                print(
+                    f"  step {s['step']}: trainer {s['trainer_mib']:.0f} MiB, generator {s['generator_mib']:.0f} MiB",
+                    flush=True,
+                )
             samples.append(s)
     except KeyboardInterrupt:
         proc.terminate()
@@ -105,13 +121,17 @@ def main():
         for s in samples:
             f.write(json.dumps(s) + "\n")
     later = [s for s in samples if s["step"] >= 100] or samples
-    print(f"train.py exit code {proc.returncode}; {len(samples)} samples, steps {samples[0]['step']}-"
-          f"{samples[-1]['step']}, {samples[-1]['t']:.0f} s; samples in {run}/soak.jsonl")
+    print(
+        f"train.py exit code {proc.returncode}; {len(samples)} samples, steps {samples[0]['step']}-"
+        f"{samples[-1]['step']}, {samples[-1]['t']:.0f} s; samples in {run}/soak.jsonl"
+    )
     for who in ("trainer", "generator"):
         first, last = later[0][f"{who}_mib"], later[-1][f"{who}_mib"]
         growth = slope_per_100([(s["step"], s[f"{who}_mib"]) for s in later])
-        print(f"{who}: {first:.0f} MiB at step {later[0]['step']} -> {last:.0f} MiB at step {later[-1]['step']}; "
-              f"growth {growth:+.2f} MiB per 100 steps (least squares, from step {later[0]['step']})")
+        print(
+            f"{who}: {first:.0f} MiB at step {later[0]['step']} -> {last:.0f} MiB at step {later[-1]['step']}; "
+            f"growth {growth:+.2f} MiB per 100 steps (least squares, from step {later[0]['step']})"
+        )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ BASE = ("--preset", "long", "--steps", "40", "--eval-every", "10")
 SETTINGS = [  # (label, lesson.py flags), from the least off-policy to the most
     ("long preset", ()),
     ("max-lag 8, trainer x4, lr x4", ("--max-lag", "8", "--train-s", "4.64e-4", "--lr", "2.4e-4")),
-    ("max-lag 16, trainer x8, lr x4, 4 minibatches",
-     ("--max-lag", "16", "--train-s", "9.28e-4", "--lr", "2.4e-4", "--minibatches", "4")),
+    (
+        "max-lag 16, trainer x8, lr x4, 4 minibatches",
+        ("--max-lag", "16", "--train-s", "9.28e-4", "--lr", "2.4e-4", "--minibatches", "4"),
+    ),
 ]
 
 
@@ -76,9 +78,12 @@ def launch(jobs, todo):
             print(f"lesson.py {' '.join(flags)} -> {run} (core {core % ncores})", file=sys.stderr, flush=True)
             os.makedirs(run, exist_ok=True)
             log = open(os.path.join(run, "stdout.txt"), "w")
-            p = subprocess.Popen([sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
-                                 stdout=log, stderr=subprocess.STDOUT,
-                                 preexec_fn=lambda c=core % ncores: os.sched_setaffinity(0, {c}))
+            p = subprocess.Popen(
+                [sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda c=core % ncores: os.sched_setaffinity(0, {c}),
+            )
             running.append((p, core, run, time.time()))
         time.sleep(1)
         for item in list(running):
@@ -113,13 +118,20 @@ def read_run(run):
     answers = [a for a in read_jsonl(os.path.join(run, "eval_answers.jsonl")) if a["step"] == evals[-1][0]]
     mean = lambda key: statistics.mean(m[key] for m in steps if m.get(key) is not None)
     runtime = os.path.join(run, "runtime.json")
-    return dict(curve=evals, final=evals[-1][2], steps_per_min=60 * len(steps) / steps[-1]["wall_s"],
-                stale=per_token(steps, "stale_token_frac"), lag=per_token(steps, "lag_mean"),
-                ess=mean("ess"), clipped=mean("clipped_frac"), kl=mean("kl"), kl_last=statistics.mean(
-                    m["kl"] for m in steps[-10:] if m.get("kl") is not None),
-                reward=statistics.mean(m["reward_mean"] for m in steps[-10:]),
-                finished=sum(a["finished"] for a in answers) / len(answers),
-                runtime=json.load(open(runtime))["wall_s"] if os.path.exists(runtime) else None)
+    return dict(
+        curve=evals,
+        final=evals[-1][2],
+        steps_per_min=60 * len(steps) / steps[-1]["wall_s"],
+        stale=per_token(steps, "stale_token_frac"),
+        lag=per_token(steps, "lag_mean"),
+        ess=mean("ess"),
+        clipped=mean("clipped_frac"),
+        kl=mean("kl"),
+        kl_last=statistics.mean(m["kl"] for m in steps[-10:] if m.get("kl") is not None),
+        reward=statistics.mean(m["reward_mean"] for m in steps[-10:]),
+        finished=sum(a["finished"] for a in answers) / len(answers),
+        runtime=json.load(open(runtime))["wall_s"] if os.path.exists(runtime) else None,
+    )
 
 
 def at_time(curve, t):
@@ -135,17 +147,27 @@ def paired_t(a, b):
 
 
 def ms(values, fmt="{:.3f}"):
-    return f"{fmt.format(statistics.mean(values))} ± {fmt.format(statistics.stdev(values))}" if len(values) > 1 \
+    return (
+        f"{fmt.format(statistics.mean(values))} ± {fmt.format(statistics.stdev(values))}"
+        if len(values) > 1
         else fmt.format(values[0])
+    )
 
 
 def table(title, rows, reference):
     """rows: [(label, [read_run per seed])]; differences against the row labelled `reference`."""
     ref = dict(rows)[reference]
     t_equal = min(r["curve"][-1][1] for _, runs in rows for r in runs)
-    head = ("| | seeds | final pass@1 (equal steps) | vs " + reference + " | pass@1 at " + f"{t_equal:.0f} s"
-            + " | vs " + reference + " | steps/min | stale tokens | lag | ESS | clipped | KL(mu‖pi) mean / last 10 "
-            "| reward, last 10 steps | eval answers finished | runtime s |")
+    head = (
+        "| | seeds | final pass@1 (equal steps) | vs "
+        + reference
+        + " | pass@1 at "
+        + f"{t_equal:.0f} s"
+        + " | vs "
+        + reference
+        + " | steps/min | stale tokens | lag | ESS | clipped | KL(mu‖pi) mean / last 10 "
+        "| reward, last 10 steps | eval answers finished | runtime s |"
+    )
     lines = [title, "", head, "|---" * 14 + "|"]
     for label, runs in rows:
         n = min(len(runs), len(ref))
@@ -154,14 +176,22 @@ def table(title, rows, reference):
             f"| {label} | {len(runs)} | {ms([r['final'] for r in runs])} | "
             + ("-" if same else paired_t([r["final"] for r in runs[:n]], [r["final"] for r in ref[:n]]))
             + f" | {ms([at_time(r['curve'], t_equal) for r in runs])} | "
-            + ("-" if same else paired_t([at_time(r["curve"], t_equal) for r in runs[:n]],
-                                         [at_time(r["curve"], t_equal) for r in ref[:n]]))
-            + f" | {ms([r['steps_per_min'] for r in runs], '{:.1f}')} | {100 * statistics.mean(r['stale'] for r in runs):.1f}%"
+            + (
+                "-"
+                if same
+                else paired_t(
+                    [at_time(r["curve"], t_equal) for r in runs[:n]], [at_time(r["curve"], t_equal) for r in ref[:n]]
+                )
+            )
+            + f" | {ms([r['steps_per_min'] for r in runs], '{:.1f}')}"
+            f" | {100 * statistics.mean(r['stale'] for r in runs):.1f}%"
             f" | {statistics.mean(r['lag'] for r in runs):.2f} | {statistics.mean(r['ess'] for r in runs):.4f}"
             f" | {100 * statistics.mean(r['clipped'] for r in runs):.2f}%"
             f" | {statistics.mean(r['kl'] for r in runs):.1e} / {statistics.mean(r['kl_last'] for r in runs):.1e}"
-            f" | {statistics.mean(r['reward'] for r in runs):.3f} | {100 * statistics.mean(r['finished'] for r in runs):.1f}%"
-            + (f" | {statistics.mean(r['runtime'] for r in runs):.0f} |" if all(r["runtime"] for r in runs) else " | |"))
+            f" | {statistics.mean(r['reward'] for r in runs):.3f}"
+            f" | {100 * statistics.mean(r['finished'] for r in runs):.1f}%"
+            + (f" | {statistics.mean(r['runtime'] for r in runs):.0f} |" if all(r["runtime"] for r in runs) else " | |")
+        )
     return "\n".join(lines)
 
 
@@ -169,19 +199,29 @@ def pilot(out, jobs, table_only):
     """Stage 1. Returns the chosen setting (label, flags) by the rule in the docstring, and the tables."""
     tables, chosen = [], SETTINGS[-1]
     for label, flags in SETTINGS:
-        runs = ensure(out, "pilot", [(f"{label}: stale none", ("--regime", "stale", "--loss", "none", *flags)),
-                                     (f"{label}: sync none", ("--regime", "sync", "--loss", "none", *flags))],
-                      jobs, table_only)
+        runs = ensure(
+            out,
+            "pilot",
+            [
+                (f"{label}: stale none", ("--regime", "stale", "--loss", "none", *flags)),
+                (f"{label}: sync none", ("--regime", "sync", "--loss", "none", *flags)),
+            ],
+            jobs,
+            table_only,
+        )
         rows = [(k, [read_run(r) for r in v]) for k, v in runs.items()]
         if any(len(v) < len(SEEDS) for _, v in rows):
             tables.append(f"({label}: {min(len(v) for _, v in rows)} of {len(SEEDS)} seeds on disk)")
             return None, tables
-        tables.append(table(f"**pilot: {label}** (`{' '.join(flags) or 'the preset as it is'}`)", rows,
-                            f"{label}: sync none"))
+        tables.append(
+            table(f"**pilot: {label}** (`{' '.join(flags) or 'the preset as it is'}`)", rows, f"{label}: sync none")
+        )
         d = [100 * (a["final"] - b["final"]) for a, b in zip(rows[0][1], rows[1][1])]
         breaks = t_interval(d)[1] < 0
-        tables.append(f"rule: stale none - sync none = {statistics.mean(d):+.1f} points, t interval "
-                      f"[{t_interval(d)[0]:+.1f}, {t_interval(d)[1]:+.1f}]: " + ("breaks" if breaks else "holds"))
+        tables.append(
+            f"rule: stale none - sync none = {statistics.mean(d):+.1f} points, t interval "
+            f"[{t_interval(d)[0]:+.1f}, {t_interval(d)[1]:+.1f}]: " + ("breaks" if breaks else "holds")
+        )
         if breaks:
             chosen = (label, flags)
             break
@@ -191,31 +231,57 @@ def pilot(out, jobs, table_only):
 def holds(out, setting, jobs, table_only):
     """Stage 2 at `setting`. Returns the tables."""
     from grpo import LOSSES
+
     label, flags = setting
-    losses = ensure(out, "holds", [(f"stale {name}", ("--regime", "stale", "--loss", name, *flags)) for name in LOSSES],
-                    jobs, table_only)
+    losses = ensure(
+        out,
+        "holds",
+        [(f"stale {name}", ("--regime", "stale", "--loss", name, *flags)) for name in LOSSES],
+        jobs,
+        table_only,
+    )
     rows = [(k, [read_run(r) for r in v]) for k, v in losses.items() if v]
     complete = [(k, v) for k, v in rows if len(v) == len(SEEDS) and k != "stale none"]
     best = max(complete, key=lambda kv: statistics.mean(r["final"] for r in kv[1]))[0].split()[1] if complete else "tis"
-    regimes = ensure(out, "holds", [(f"recompute {best}", ("--regime", "recompute", "--loss", best, *flags)),
-                                    (f"sync {best}", ("--regime", "sync", "--loss", best, *flags)),
-                                    ("recompute none", ("--regime", "recompute", "--loss", "none", *flags))],
-                     jobs, table_only)
-    rows2 = [(k, [read_run(r) for r in v]) for k, v in [(f"stale {best}", losses[f"stale {best}"]),
-                                                         *regimes.items(), ("stale none", losses["stale none"])] if v]
+    regimes = ensure(
+        out,
+        "holds",
+        [
+            (f"recompute {best}", ("--regime", "recompute", "--loss", best, *flags)),
+            (f"sync {best}", ("--regime", "sync", "--loss", best, *flags)),
+            ("recompute none", ("--regime", "recompute", "--loss", "none", *flags)),
+        ],
+        jobs,
+        table_only,
+    )
+    rows2 = [
+        (k, [read_run(r) for r in v])
+        for k, v in [(f"stale {best}", losses[f"stale {best}"]), *regimes.items(), ("stale none", losses["stale none"])]
+        if v
+    ]
     missing = [k for k, v in [*losses.items(), *regimes.items()] if len(v) < len(SEEDS)]
     runs = dict(rows2)
-    kv = [f"stale KV against rebuilt KV, {name}: stale - recompute = "
-          + paired_t([r["final"] for r in runs[f"stale {name}"]], [r["final"] for r in runs[f"recompute {name}"]])
-          + " points at equal steps, "
-          + paired_t([at_time(r["curve"], t) for r in runs[f"stale {name}"]],
-                     [at_time(r["curve"], t) for r in runs[f"recompute {name}"]]) + f" at {t:.0f} s"
-          for name in (best, "none") if len(runs.get(f"stale {name}", [])) == len(runs.get(f"recompute {name}", [])) > 1
-          for t in [min(r["curve"][-1][1] for r in runs[f"stale {name}"] + runs[f"recompute {name}"])]]
-    return [table(f"**holds: every --loss on stale**, at {label} (`{' '.join(flags)}`)", rows, "stale none"),
-            f"best correction by the rule: {best}" + (f" (so far: {', '.join(missing)} not finished)" if missing else ""),
-            table(f"**holds: stale against recompute against sync**, at {label}", rows2, f"sync {best}")
-            if regimes[f"sync {best}"] else f"(sync {best} not run yet)", *kv]
+    kv = [
+        f"stale KV against rebuilt KV, {name}: stale - recompute = "
+        + paired_t([r["final"] for r in runs[f"stale {name}"]], [r["final"] for r in runs[f"recompute {name}"]])
+        + " points at equal steps, "
+        + paired_t(
+            [at_time(r["curve"], t) for r in runs[f"stale {name}"]],
+            [at_time(r["curve"], t) for r in runs[f"recompute {name}"]],
+        )
+        + f" at {t:.0f} s"
+        for name in (best, "none")
+        if len(runs.get(f"stale {name}", [])) == len(runs.get(f"recompute {name}", [])) > 1
+        for t in [min(r["curve"][-1][1] for r in runs[f"stale {name}"] + runs[f"recompute {name}"])]
+    ]
+    return [
+        table(f"**holds: every --loss on stale**, at {label} (`{' '.join(flags)}`)", rows, "stale none"),
+        f"best correction by the rule: {best}" + (f" (so far: {', '.join(missing)} not finished)" if missing else ""),
+        table(f"**holds: stale against recompute against sync**, at {label}", rows2, f"sync {best}")
+        if regimes[f"sync {best}"]
+        else f"(sync {best} not run yet)",
+        *kv,
+    ]
 
 
 def main():
@@ -230,19 +296,32 @@ def main():
     if "pilot" in args.stages:
         print("\n\n".join(tables) + (f"\n\nstage 2 runs at: {setting[0]}\n" if setting else "\n"), flush=True)
     if setting is None and ("holds" in args.stages or args.figure):
-        sys.exit("stress.py: the pilot has not finished, so no setting is chosen yet: run `tools/stress.py pilot` first")
+        sys.exit(
+            "stress.py: the pilot has not finished, so no setting is chosen yet: run `tools/stress.py pilot` first"
+        )
     if "holds" in args.stages:
         print("\n\n".join(holds(args.out, setting, args.jobs, args.table_only)) + "\n", flush=True)
     if args.figure:
         from plot import plot_curves
         from grpo import LOSSES
+
         runs = {f"stale {name}": [run_dir(args.out, "holds", f"stale {name}", s) for s in SEEDS] for name in LOSSES}
-        runs.update({label: [run_dir(args.out, "holds", label, s) for s in SEEDS]  # the on-policy reference
-                     for label in sorted(os.listdir(os.path.join(args.out, "holds")))
-                     if label.startswith("sync_") and label.endswith("-s0") for label in [label[:-3].replace("_", " ")]})
-        print("figure:", plot_curves({k: [r for r in v if finished(r)] for k, v in runs.items()},
-                                     os.path.join(ROOT, "docs", "stress-curves.png"),
-                                     f"every --loss on stale, and sync, at {setting[0]} (seeds {SEEDS[0]}-{SEEDS[-1]})"))
+        runs.update(
+            {
+                label: [run_dir(args.out, "holds", label, s) for s in SEEDS]  # the on-policy reference
+                for label in sorted(os.listdir(os.path.join(args.out, "holds")))
+                if label.startswith("sync_") and label.endswith("-s0")
+                for label in [label[:-3].replace("_", " ")]
+            }
+        )
+        print(
+            "figure:",
+            plot_curves(
+                {k: [r for r in v if finished(r)] for k, v in runs.items()},
+                os.path.join(ROOT, "docs", "stress-curves.png"),
+                f"every --loss on stale, and sync, at {setting[0]} (seeds {SEEDS[0]}-{SEEDS[-1]})",
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
-from plot import COLOURS as ACTIVITY_COLOURS  # its timeline figure: plot.py's colours
-from runlog import per_token, read_jsonl
+from plot import COLOURS as ACTIVITY_COLOURS  # noqa: E402  (its timeline figure: plot.py's colours)
+from runlog import per_token, read_jsonl  # noqa: E402
 
 # Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
 # before the sweep: halfway from the start to the end of pilot sync runs of the preset
@@ -58,7 +58,13 @@ TARGETS = {"default": 0.67, "long": 0.55}
 
 REGIMES = ["sync", "drain", "discard", "stale", "recompute"]
 COLOURS = {"sync": "black", "drain": "tab:orange", "discard": "tab:red", "stale": "tab:blue", "recompute": "tab:green"}
-GENERATOR = ["generating", "draining", "loading", "evaluating", "idle"]  # the ledger's activities, stacked in this order
+GENERATOR = [
+    "generating",
+    "draining",
+    "loading",
+    "evaluating",
+    "idle",
+]  # the ledger's activities, stacked in this order
 TRAINER = ["training", "waiting", "syncing", "evaluating", "saving"]
 EST_S = {"default": 300, "long": 175}  # seconds a run takes on 2 cores, until a run of this sweep has finished
 PUBLISHED = [  # the published study's numbers, as reference rows of the contrast table
@@ -93,23 +99,30 @@ def summary(run):
     trained = sum(r["trained_tokens"] for r in steps)
     rejected = sum(r.get("rejected_tokens", 0) for r in steps)
     cpu0 = next((r["cpu_s"] for r in steps if "cpu_s" in r), None)
-    return dict(run=run, regime=cfg["regime"], pool=cfg["pool"], seed=cfg["seed"], cfg=cfg,
-                acc0=evals[0]["eval_acc"], acc1=evals[-1]["eval_acc"],
-                curve=[(r["wall_s"], r["eval_acc"]) for r in evals],
-                # CPU-seconds of both processes from the end of step 1 (start-up and the step-0 eval excluded)
-                cpu_curve=None if cpu0 is None else [(max(0.0, r.get("cpu_s", cpu0) - cpu0), r["eval_acc"])
-                                                     for r in evals],
-                steps_per_min=len(steps) / ((steps[-1]["wall_s"] - first) / 60),
-                stale=per_token(steps, "stale_token_frac"),
-                lag=statistics.mean(r["lag_mean"] for r in steps),
-                spanning=statistics.mean(r["spanning_frac"] for r in steps),
-                gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / sum(gen.values()),
-                discarded=tok["discarded"] / tok["generated"], recomputed=tok["recomputed"] / tok["generated"],
-                rejected=rejected / (trained + rejected),
-                groups_rejected=sum(r.get("rejected_groups", 0) for r in steps),
-                groups_trained=len(steps) * cfg["prompts_per_step"],
-                gen_share={k: v / sum(gen.values()) for k, v in gen.items()},
-                trainer_share={k: v / sum(trn.values()) for k, v in trn.items()})
+    return dict(
+        run=run,
+        regime=cfg["regime"],
+        pool=cfg["pool"],
+        seed=cfg["seed"],
+        cfg=cfg,
+        acc0=evals[0]["eval_acc"],
+        acc1=evals[-1]["eval_acc"],
+        curve=[(r["wall_s"], r["eval_acc"]) for r in evals],
+        # CPU-seconds of both processes from the end of step 1 (start-up and the step-0 eval excluded)
+        cpu_curve=None if cpu0 is None else [(max(0.0, r.get("cpu_s", cpu0) - cpu0), r["eval_acc"]) for r in evals],
+        steps_per_min=len(steps) / ((steps[-1]["wall_s"] - first) / 60),
+        stale=per_token(steps, "stale_token_frac"),
+        lag=statistics.mean(r["lag_mean"] for r in steps),
+        spanning=statistics.mean(r["spanning_frac"] for r in steps),
+        gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / sum(gen.values()),
+        discarded=tok["discarded"] / tok["generated"],
+        recomputed=tok["recomputed"] / tok["generated"],
+        rejected=rejected / (trained + rejected),
+        groups_rejected=sum(r.get("rejected_groups", 0) for r in steps),
+        groups_trained=len(steps) * cfg["prompts_per_step"],
+        gen_share={k: v / sum(gen.values()) for k, v in gen.items()},
+        trainer_share={k: v / sum(trn.values()) for k, v in trn.items()},
+    )
 
 
 def smooth(curve, k=3):
@@ -117,7 +130,7 @@ def smooth(curve, k=3):
     at the ends): one eval's noise (256-512 problems: +-2-3 points) does not decide."""
     accs = [acc for _, acc in curve]
     h = k // 2
-    return [(t, statistics.mean(accs[max(0, i - h):i + h + 1])) for i, (t, _) in enumerate(curve)]
+    return [(t, statistics.mean(accs[max(0, i - h) : i + h + 1])) for i, (t, _) in enumerate(curve)]
 
 
 def time_to(curve, target):
@@ -135,6 +148,7 @@ def time_to(curve, target):
 def acc_at(curve, t):
     """The smoothed curve's accuracy at time t (linear between evals; None past its end)."""
     import numpy as np
+
     sm = smooth(curve)
     return None if t > sm[-1][0] else float(np.interp(t, *zip(*sm)))
 
@@ -175,6 +189,7 @@ def paired(rows, a, b, value):
     """value(run of regime-pool a) - value(run of b), paired by seed: (mean, 95% bootstrap
     interval over seeds, n). Seeds where either value is None are left out."""
     import random
+
     d = [x - y for x, y in pairs(rows, a, b, value)]
     if len(d) < 2:
         return None
@@ -206,23 +221,30 @@ def mean_std(values, fmt):
 
 def columns(rows, target):
     """(header, value of one run, format) for both tables. None: the run never reached the target."""
-    cols = [("final eval pass@1", lambda r: r["acc1"], "{:.3f}"),
-            ("gain (points)", lambda r: 100 * (r["acc1"] - r["acc0"]), "{:+.1f}"),
-            (f"s to {target}" if target is not None else "s to target",
-             lambda r: None if target is None else time_to(r["curve"], target), "{:.0f}"),
-            ("steps/min", lambda r: r["steps_per_min"], "{:.1f}"),
-            ("stale tokens %", lambda r: 100 * r["stale"], "{:.1f}"),
-            ("lag", lambda r: r["lag"], "{:.2f}"),
-            ("spanning answers %", lambda r: 100 * r["spanning"], "{:.1f}"),
-            ("generator idle+draining %", lambda r: 100 * r["gen_idle"], "{:.1f}"),
-            ("discarded / generated %", lambda r: 100 * r["discarded"], "{:.1f}"),
-            ("recomputed / generated %", lambda r: 100 * r["recomputed"], "{:.1f}")]
+    cols = [
+        ("final eval pass@1", lambda r: r["acc1"], "{:.3f}"),
+        ("gain (points)", lambda r: 100 * (r["acc1"] - r["acc0"]), "{:+.1f}"),
+        (
+            f"s to {target}" if target is not None else "s to target",
+            lambda r: None if target is None else time_to(r["curve"], target),
+            "{:.0f}",
+        ),
+        ("steps/min", lambda r: r["steps_per_min"], "{:.1f}"),
+        ("stale tokens %", lambda r: 100 * r["stale"], "{:.1f}"),
+        ("lag", lambda r: r["lag"], "{:.2f}"),
+        ("spanning answers %", lambda r: 100 * r["spanning"], "{:.1f}"),
+        ("generator idle+draining %", lambda r: 100 * r["gen_idle"], "{:.1f}"),
+        ("discarded / generated %", lambda r: 100 * r["discarded"], "{:.1f}"),
+        ("recomputed / generated %", lambda r: 100 * r["recomputed"], "{:.1f}"),
+    ]
     if any(r["pool"] == "pace" for r in rows):  # what PACE threw away, and its two claims, run by run
         t_eq, goal = equal_wall_clock(rows), sync_final(rows)
-        cols += [("rejected tokens %", lambda r: 100 * r["rejected"], "{:.1f}"),
-                 ("groups rejected per group trained", lambda r: r["groups_rejected"] / r["groups_trained"], "{:.2f}"),
-                 ("answer tokens trained (mean)", lambda r: mean_answer_tokens(r["run"]), "{:.1f}"),
-                 (f"pass@1 at {t_eq:.0f} s (smoothed)", lambda r: acc_at(r["curve"], t_eq), "{:.3f}")]
+        cols += [
+            ("rejected tokens %", lambda r: 100 * r["rejected"], "{:.1f}"),
+            ("groups rejected per group trained", lambda r: r["groups_rejected"] / r["groups_trained"], "{:.2f}"),
+            ("answer tokens trained (mean)", lambda r: mean_answer_tokens(r["run"]), "{:.1f}"),
+            (f"pass@1 at {t_eq:.0f} s (smoothed)", lambda r: acc_at(r["curve"], t_eq), "{:.3f}"),
+        ]
         if target is not None:
             cols.append((f"CPU-s to {target}", lambda r: cpu_to(r, target), "{:.0f}"))
         if goal is not None:
@@ -237,8 +259,10 @@ def groups(rows):
 
 
 def markdown(header, lines):
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                     + ["| " + " | ".join(line) + " |" for line in lines])
+    return "\n".join(
+        ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        + ["| " + " | ".join(line) + " |" for line in lines]
+    )
 
 
 def table(rows, target):
@@ -250,8 +274,12 @@ def table(rows, target):
         for header, value, fmt in cols:
             values = [v for r in rs if (v := value(r)) is not None]
             if header.startswith(("s to", "CPU-s to")):  # over the seeds that got there
-                cells.append("-" if header == "s to target" else  # no target given
-                             f"{mean_std(values, fmt) if values else '-'} ({len(values)}/{len(rs)} reached)")
+                cells.append(
+                    "-"
+                    if header == "s to target"
+                    # no target given
+                    else f"{mean_std(values, fmt) if values else '-'} ({len(values)}/{len(rs)} reached)"
+                )
             else:
                 cells.append(mean_std(values, fmt) if values else "-")
         lines.append(cells)
@@ -261,9 +289,12 @@ def table(rows, target):
 def runs_table(rows, target):
     """One line per run."""
     cols = columns(rows, target)
-    lines = [[r["regime"], r["pool"], str(r["seed"])]
-             + ["-" if (v := value(r)) is None else fmt.format(v) for _, value, fmt in cols]
-             for _, _, rs in groups(rows) for r in sorted(rs, key=lambda r: r["seed"])]
+    lines = [
+        [r["regime"], r["pool"], str(r["seed"])]
+        + ["-" if (v := value(r)) is None else fmt.format(v) for _, value, fmt in cols]
+        for _, _, rs in groups(rows)
+        for r in sorted(rs, key=lambda r: r["seed"])
+    ]
     return markdown(["regime", "pool", "seed"] + [c[0] for c in cols], lines)
 
 
@@ -297,7 +328,9 @@ def answer_lengths(rows):
         if os.path.exists(path):
             lengths += [a["tokens"] for a in read_jsonl(path) if a["fate"] == "consumed"]
         else:
-            lengths += [m["answer_len"] for m in read_jsonl(os.path.join(r["run"], "metrics.jsonl")) if "answer_len" in m]
+            lengths += [
+                m["answer_len"] for m in read_jsonl(os.path.join(r["run"], "metrics.jsonl")) if "answer_len" in m
+            ]
             source = "step means"
     return sorted(lengths), source
 
@@ -312,13 +345,31 @@ def contrast_table(by_preset):
         mean = lambda rs, f: f"{statistics.mean(map(f, rs)):.2f}" if rs else "-"
         lengths, source = answer_lengths(stale)
         pct = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]
-        lines.append([f"{preset} preset (stale: {len(stale)} seed{'s' * (len(stale) > 1)})", mean(stale, lambda r: 100 * r["stale"]),
-                      mean(stale, lambda r: 100 * r["spanning"]), mean(stale, lambda r: r["lag"]),
-                      f"{pct(0.5):.0f} / {pct(0.9):.0f} / {lengths[-1]:.0f}" + (" (step means)" if source != "answers" else "")
-                      if lengths else "-", mean(sync, lambda r: r["steps_per_min"])])
+        lines.append(
+            [
+                f"{preset} preset (stale: {len(stale)} seed{'s' * (len(stale) > 1)})",
+                mean(stale, lambda r: 100 * r["stale"]),
+                mean(stale, lambda r: 100 * r["spanning"]),
+                mean(stale, lambda r: r["lag"]),
+                f"{pct(0.5):.0f} / {pct(0.9):.0f} / {lengths[-1]:.0f}"
+                + (" (step means)" if source != "answers" else "")
+                if lengths
+                else "-",
+                mean(sync, lambda r: r["steps_per_min"]),
+            ]
+        )
     lines += [list(row) for row in PUBLISHED]
-    return markdown(["", "stale tokens % (stale)", "spanning answers % (stale)", "lag (stale)",
-                     "answer length p50 / p90 / max, tokens (stale)", "steps/min (sync)"], lines)
+    return markdown(
+        [
+            "",
+            "stale tokens % (stale)",
+            "spanning answers % (stale)",
+            "lag (stale)",
+            "answer length p50 / p90 / max, tokens (stale)",
+            "steps/min (sync)",
+        ],
+        lines,
+    )
 
 
 def analysis(rows, target):
@@ -330,32 +381,85 @@ def analysis(rows, target):
     t_eq = equal_wall_clock(rows)
     claims = []
     if target is not None:
-        claims += [(f"s to {target} (smoothed): {x} - drain", (x, "fifo"), ("drain", "fifo"),
-                    lambda r: time_to(r["curve"], target), "{:+.0f} s") for x in ("stale", "recompute")]
-    claims += [("final pass@1: stale - recompute", ("stale", "fifo"), ("recompute", "fifo"),
-                lambda r: r["acc1"], "{:+.3f}")]
-    claims += [(f"pass@1 at {t_eq:.0f} s: {x} - drain", (x, "fifo"), ("drain", "fifo"),
-                lambda r: acc_at(r["curve"], t_eq), "{:+.3f}") for x in ("stale", "recompute")]
-    claims += [("steps/min: stale - drain", ("stale", "fifo"), ("drain", "fifo"), lambda r: r["steps_per_min"],
-                "{:+.1f}")]
+        claims += [
+            (
+                f"s to {target} (smoothed): {x} - drain",
+                (x, "fifo"),
+                ("drain", "fifo"),
+                lambda r: time_to(r["curve"], target),
+                "{:+.0f} s",
+            )
+            for x in ("stale", "recompute")
+        ]
+    claims += [
+        ("final pass@1: stale - recompute", ("stale", "fifo"), ("recompute", "fifo"), lambda r: r["acc1"], "{:+.3f}")
+    ]
+    claims += [
+        (
+            f"pass@1 at {t_eq:.0f} s: {x} - drain",
+            (x, "fifo"),
+            ("drain", "fifo"),
+            lambda r: acc_at(r["curve"], t_eq),
+            "{:+.3f}",
+        )
+        for x in ("stale", "recompute")
+    ]
+    claims += [
+        ("steps/min: stale - drain", ("stale", "fifo"), ("drain", "fifo"), lambda r: r["steps_per_min"], "{:+.1f}")
+    ]
     goal = sync_final(rows)
     if goal is not None and any(pool == "pace" for _, pool in keys):
         for regime in sorted({k[0] for k in keys if k[1] == "pace"}, key=REGIMES.index):
-            claims += [(f"final pass@1: {regime} pace - {regime} fifo", (regime, "pace"), (regime, "fifo"),
-                        lambda r: r["acc1"], "{:+.3f}"),
-                       (f"pass@1 at {t_eq:.0f} s: {regime} pace - {regime} fifo", (regime, "pace"), (regime, "fifo"),
-                        lambda r: acc_at(r["curve"], t_eq), "{:+.3f}"),
-                       (f"pass@1 at {t_eq:.0f} s: {regime} pace - sync", (regime, "pace"), ("sync", "fifo"),
-                        lambda r: acc_at(r["curve"], t_eq), "{:+.3f}"),
-                       (f"CPU-s to sync's final {goal:.3f}: {regime} pace - sync", (regime, "pace"), ("sync", "fifo"),
-                        lambda r: cpu_to(r, goal), "{:+.0f}"),
-                       (f"CPU-s to sync's final {goal:.3f}: {regime} fifo - sync", (regime, "fifo"), ("sync", "fifo"),
-                        lambda r: cpu_to(r, goal), "{:+.0f}")]
+            claims += [
+                (
+                    f"final pass@1: {regime} pace - {regime} fifo",
+                    (regime, "pace"),
+                    (regime, "fifo"),
+                    lambda r: r["acc1"],
+                    "{:+.3f}",
+                ),
+                (
+                    f"pass@1 at {t_eq:.0f} s: {regime} pace - {regime} fifo",
+                    (regime, "pace"),
+                    (regime, "fifo"),
+                    lambda r: acc_at(r["curve"], t_eq),
+                    "{:+.3f}",
+                ),
+                (
+                    f"pass@1 at {t_eq:.0f} s: {regime} pace - sync",
+                    (regime, "pace"),
+                    ("sync", "fifo"),
+                    lambda r: acc_at(r["curve"], t_eq),
+                    "{:+.3f}",
+                ),
+                (
+                    f"CPU-s to sync's final {goal:.3f}: {regime} pace - sync",
+                    (regime, "pace"),
+                    ("sync", "fifo"),
+                    lambda r: cpu_to(r, goal),
+                    "{:+.0f}",
+                ),
+                (
+                    f"CPU-s to sync's final {goal:.3f}: {regime} fifo - sync",
+                    (regime, "fifo"),
+                    ("sync", "fifo"),
+                    lambda r: cpu_to(r, goal),
+                    "{:+.0f}",
+                ),
+            ]
             # every regime plateaus near sync's final accuracy, so whether a run reaches it is
             # close to chance (RESULTS.md); the target, where the curves still climb, separates them
             if target is not None:
-                claims += [(f"CPU-s to {target}: {regime} {pool} - sync", (regime, pool), ("sync", "fifo"),
-                            lambda r: cpu_to(r, target), "{:+.0f}") for pool in ("pace", "fifo")]
+                claims += [
+                    (
+                        f"CPU-s to {target}: {regime} {pool} - sync",
+                        (regime, pool),
+                        ("sync", "fifo"),
+                        lambda r: cpu_to(r, target),
+                        "{:+.0f}",
+                    )
+                    for pool in ("pace", "fifo")
+                ]
     lines = []
     for name, a, b, value, fmt in claims:
         if a in keys and b in keys and (p := paired(rows, a, b, value)):
@@ -365,10 +469,33 @@ def analysis(rows, target):
             base = statistics.mean(y for _, y in both)
             share = "-" if not base else f"{100 * m / base:+.1f}% [{100 * lo / base:+.1f}, {100 * hi / base:+.1f}]"
             t = t_interval([x - y for x, y in both])
-            lines.append([name, fmt.format(m), f"[{fmt.format(lo)}, {fmt.format(hi)}]", share, str(n),
-                          "yes" if lo > 0 or hi < 0 else "no", f"[{fmt.format(t[0])}, {fmt.format(t[1])}]" if t else "-"])
-    return markdown(["comparison, paired by seed", "mean difference", "95% interval", "as % of the second's mean",
-                     "seeds", "exceeds the spread", "t-test 95% interval"], lines) if lines else ""
+            lines.append(
+                [
+                    name,
+                    fmt.format(m),
+                    f"[{fmt.format(lo)}, {fmt.format(hi)}]",
+                    share,
+                    str(n),
+                    "yes" if lo > 0 or hi < 0 else "no",
+                    f"[{fmt.format(t[0])}, {fmt.format(t[1])}]" if t else "-",
+                ]
+            )
+    return (
+        markdown(
+            [
+                "comparison, paired by seed",
+                "mean difference",
+                "95% interval",
+                "as % of the second's mean",
+                "seeds",
+                "exceeds the spread",
+                "t-test 95% interval",
+            ],
+            lines,
+        )
+        if lines
+        else ""
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -377,8 +504,10 @@ def analysis(rows, target):
 
 def pyplot():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -387,6 +516,7 @@ def plot_acc(ax, rows, target):
     linearly interpolated on a common grid, from the latest first eval to the earliest
     last eval of the seeds; line = mean, band = min-max over seeds, dots = the evals."""
     import numpy as np
+
     for regime, pool, rs in groups(rows):
         colour, ls = COLOURS[regime], "--" if pool == "pace" else "-"
         grid = np.linspace(max(r["curve"][0][0] for r in rs), min(r["curve"][-1][0] for r in rs), 100)
@@ -411,11 +541,19 @@ def plot_shares(ax, rows, procs):
     for i, (regime, pool, rs) in enumerate(groups(rows)):
         for j, proc in enumerate(procs):
             bottom = 0
-            for what in (GENERATOR if proc == "generator" else TRAINER):
-                share = statistics.mean(r["gen_share" if proc == "generator" else "trainer_share"].get(what, 0)
-                                        for r in rs)
-                ax.bar(i + (j - (len(procs) - 1) / 2) * width, share, width * 0.9, bottom=bottom,
-                       color=ACTIVITY_COLOURS[what], edgecolor="black", lw=0.3)
+            for what in GENERATOR if proc == "generator" else TRAINER:
+                share = statistics.mean(
+                    r["gen_share" if proc == "generator" else "trainer_share"].get(what, 0) for r in rs
+                )
+                ax.bar(
+                    i + (j - (len(procs) - 1) / 2) * width,
+                    share,
+                    width * 0.9,
+                    bottom=bottom,
+                    color=ACTIVITY_COLOURS[what],
+                    edgecolor="black",
+                    lw=0.3,
+                )
                 bottom += share
             if len(procs) > 1:
                 ax.text(i + (j - (len(procs) - 1) / 2) * width, 1.01, proc[0].upper(), ha="center", fontsize=7)
@@ -429,17 +567,25 @@ def plot_shares(ax, rows, procs):
 
 def activity_legend(ax, procs):
     from matplotlib.patches import Patch
+
     names = list(dict.fromkeys(w for p in procs for w in (GENERATOR if p == "generator" else TRAINER)))
-    ax.legend(handles=[Patch(facecolor=ACTIVITY_COLOURS[w], edgecolor="black", lw=0.3, label=w) for w in names],
-              fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(
+        handles=[Patch(facecolor=ACTIVITY_COLOURS[w], edgecolor="black", lw=0.3, label=w) for w in names],
+        fontsize=6,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+    )
 
 
 def figures(preset, rows, target, folder):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     plot_acc(ax, rows, target)
-    ax.set_title(f"{setting(preset, rows)}\nmean over seeds, band min-max (seeds interpolated between\ntheir evals, up to the shortest seed's last)",
-                 fontsize=8)
+    ax.set_title(
+        f"{setting(preset, rows)}\nmean over seeds, band min-max (seeds interpolated between\n"
+        "their evals, up to the shortest seed's last)",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "acc_vs_wall.png"), dpi=100)
     plt.close(fig)
@@ -480,22 +626,29 @@ def finished_on_disk(out, preset, regimes, pools):
     """Every finished run of a preset in <out>/<preset>, whatever its seed."""
     folder = os.path.join(out, preset)
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    rows = [s for name in names if os.path.isdir(os.path.join(folder, name)) and (s := summary(os.path.join(folder, name)))]
+    rows = [
+        s for name in names if os.path.isdir(os.path.join(folder, name)) and (s := summary(os.path.join(folder, name)))
+    ]
     return [r for r in rows if r["regime"] in regimes and r["pool"] in pools]
 
 
 def main():
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("preset", choices=["default", "long"], help="train.py's settings: plain, or --preset long")
     p.add_argument("--regimes", nargs="+", default=REGIMES, choices=REGIMES)
     p.add_argument("--pools", nargs="+", default=["fifo"], choices=["fifo", "pace"])
     # long: 5 seeds, as its regimes differ by less than 3 seeds' spread (README)
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0-2, and 0-4 for long")
-    p.add_argument("--contrast-seeds", nargs="+", type=int, default=[0, 1, 2],
-                   help="seeds of the default preset's runs that `long` adds, for the contrast")
+    p.add_argument(
+        "--contrast-seeds",
+        nargs="+",
+        type=int,
+        default=[0, 1, 2],
+        help="seeds of the default preset's runs that `long` adds, for the contrast",
+    )
     p.add_argument("--no-contrast", action="store_true", help="`long`: the long preset's runs only")
     p.add_argument("--target", type=float, default=None, help="target eval accuracy (default: TARGETS[preset])")
     p.add_argument("--out", default="out/sweep", help="parent directory of the presets' run directories")
@@ -507,8 +660,12 @@ def main():
     # seed by seed, so a sweep cut short still has every regime and pool at the first seeds
     plan = [(args.preset, r, pool, s) for s in args.seeds for pool in args.pools for r in args.regimes]
     if args.preset == "long":  # the contrast, once the long sweep is complete
-        plan += [("default", r, pool, s) for s in ([] if args.no_contrast else args.contrast_seeds)
-                 for pool in args.pools for r in args.regimes]
+        plan += [
+            ("default", r, pool, s)
+            for s in ([] if args.no_contrast else args.contrast_seeds)
+            for pool in args.pools
+            for r in args.regimes
+        ]
     todo = [] if args.table_only else [x for x in plan if not summary(run_dir(args.out, *x))]
     if not args.table_only:
         print(f"{len(plan) - len(todo)} of {len(plan)} runs finished already, {len(todo)} to run", flush=True)
@@ -519,8 +676,21 @@ def main():
         print(f"[{i + 1}/{len(todo)}] {run} (about {left / 60:.0f} min left)", flush=True)
         shutil.rmtree(run, ignore_errors=True)  # an unfinished run starts over
         os.makedirs(os.path.dirname(run), exist_ok=True)
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--regime", regime, "--pool", pool, "--seed", str(seed),
-               "--out", run, "--no-plot", *(["--preset", "long"] if preset == "long" else []), *extra]
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--regime",
+            regime,
+            "--pool",
+            pool,
+            "--seed",
+            str(seed),
+            "--out",
+            run,
+            "--no-plot",
+            *(["--preset", "long"] if preset == "long" else []),
+            *extra,
+        ]
         t0 = time.time()
         with open(run + ".log", "w") as log:
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
@@ -534,8 +704,10 @@ def main():
     if rows:
         target = targets[args.preset]
         notes = NOTES + ("\n" + PACE_NOTES if any(r["pool"] == "pace" for r in rows) else "")
-        text = (f"# {setting(args.preset, rows)}, target {target if target is not None else '-'}\n\n"
-                f"{table(rows, target)}\n\n{notes}\n\n{analysis(rows, target)}\n")
+        text = (
+            f"# {setting(args.preset, rows)}, target {target if target is not None else '-'}\n\n"
+            f"{table(rows, target)}\n\n{notes}\n\n{analysis(rows, target)}\n"
+        )
         print(text)
         with open(os.path.join(folder, "table.md"), "w") as f:
             f.write(text)

@@ -40,8 +40,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (data, ...), wherever this is run from
 
 RECIPE = dict(
-    hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384, max_pos=512,
-    sft_steps=300, batch=32, lr=3e-3, warmup=30, min_steps=1, max_steps=8, seed=0,
+    hidden=128,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    head_dim=32,
+    ffn=384,
+    max_pos=512,
+    sft_steps=300,
+    batch=32,
+    lr=3e-3,
+    warmup=30,
+    min_steps=1,
+    max_steps=8,
+    seed=0,
 )
 RECIPES = {  # --model NAME: the supervised phase of each, stop_at steps into its sft_steps-step lr schedule
     "tiny": RECIPE,
@@ -57,13 +69,16 @@ def build_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, Regex
     from transformers import PreTrainedTokenizerFast
     from data import synth_split, make_prompt
+
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
-        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never"),
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.Punctuation(),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Punctuation(),
+        ]
+    )
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
     corpus = []
     for steps in range(1, 17):  # every word the synth task can produce, at any length
@@ -79,12 +94,22 @@ def build_tokenizer():
 def build_model(vocab_size, r):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     config = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=r["hidden"], intermediate_size=r["ffn"],
-        num_hidden_layers=r["layers"], num_attention_heads=r["heads"],
-        num_key_value_heads=r["kv_heads"], head_dim=r["head_dim"],
-        max_position_embeddings=r["max_pos"], tie_word_embeddings=True, rope_theta=10000.0,
-        eos_token_id=0, pad_token_id=0, bos_token_id=0, torch_dtype="float32",
+        vocab_size=vocab_size,
+        hidden_size=r["hidden"],
+        intermediate_size=r["ffn"],
+        num_hidden_layers=r["layers"],
+        num_attention_heads=r["heads"],
+        num_key_value_heads=r["kv_heads"],
+        head_dim=r["head_dim"],
+        max_position_embeddings=r["max_pos"],
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=0,
+        torch_dtype="float32",
     )
     torch.manual_seed(r["seed"])
     return Qwen3ForCausalLM(config)
@@ -95,6 +120,7 @@ def sft(model, tokenizer, r):
     import torch
     from tqdm import tqdm
     from data import synth_problem, make_prompt
+
     rng = random.Random(r["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], weight_decay=0.01)
     model.train()
@@ -124,6 +150,7 @@ def sft(model, tokenizer, r):
 
 def recipe_hash(name="tiny"):
     import data
+
     code = inspect.getsource(data.synth_problem) + inspect.getsource(data.make_prompt)
     code += inspect.getsource(build_tokenizer) + inspect.getsource(build_model) + inspect.getsource(sft)
     return hashlib.sha256((json.dumps(RECIPES[name], sort_keys=True) + code).encode()).hexdigest()[:10]
@@ -151,6 +178,7 @@ def tiny_model_dir(root="out", rebuild=False, name="tiny"):
     if os.path.exists(os.path.join(path, "recipe.json")):
         return path
     import torch
+
     torch.set_num_threads(len(os.sched_getaffinity(0)))  # more threads than cores crawls
     t0 = time.time()
     r = RECIPES[name]

@@ -221,7 +221,8 @@ def generator_main(cfg, samples_q, control_q, joined):
     # watchdog asks for it (GeneratorHandle.stalled). faulthandler writes from the C
     # signal handler, so it answers even while the main thread is stuck inside C code.
     os.makedirs(cfg["out"], exist_ok=True)
-    faulthandler.register(signal.SIGUSR1, file=open(stack_file(cfg), "w"), all_threads=True)
+    stack = open(stack_file(cfg), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
     # tqdm's bars (vLLM's, the evaluation's) take a multiprocessing lock: a named semaphore
     # that this process, when the trainer has to kill it, would leave behind ("resource_tracker:
     # There appear to be 1 leaked semaphore objects"). A thread lock does, in one process.
@@ -239,6 +240,9 @@ def generator_main(cfg, samples_q, control_q, joined):
         samples_q.put(("error", (cfg.get("engine", 0), tb)))
         flush(samples_q, timeout=10)
         raise SystemExit(1)
+    finally:  # no stack was asked for: leave no empty file in the run directory
+        if os.path.getsize(stack.name) == 0:
+            os.remove(stack.name)
 
 
 def flush(q, timeout):

@@ -406,6 +406,7 @@ def read(run, name):
 def check_run(run, regime, steps):
     """The run directory against its contract (runlog.py), and the regime's invariants
     against its metrics (test_smoke.py, test_smol.py and test_ranks.py check their runs with it)."""
+    assert not [f for f in os.listdir(run) if f.endswith("-stack.txt")], "a stack file no stall asked for"
     cfg = json.load(open(os.path.join(run, "config.json")))
     assert cfg["regime"] == regime and cfg["steps"] == steps
     metrics = [m for m in read(run, "metrics.jsonl") if m["step"] > 0]

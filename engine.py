@@ -1,6 +1,6 @@
 """
 The generator's engine, driven one decode step at a time: what lesson.py drives in
-its own process and generator.py drives in the generator process.
+its own process and generator_process.py drives in the generator process.
 
 A vLLM engine in this process (make_engine), stepped by us, so that new weights can
 land between two decode steps; the answers in flight, each a Rollout that records,
@@ -133,7 +133,7 @@ class Rollout:
 
 def as_tensors(sample):
     """A finished answer's numpy arrays (Rollout.to_sample) as torch tensors, sharing their memory:
-    what the trainer puts in its pool (lesson.py; generator.GeneratorHandle, off the queue)."""
+    what the trainer puts in its pool (lesson.py; generator_process.GeneratorHandle, off the queue)."""
     import numpy as np
     import torch
 
@@ -173,7 +173,7 @@ def make_engine(cfg, worker_extension=None):
       would land one step late and mislabel a token's version. The CPU platform forces
       it off (vllm/platforms/cpu.py); we set it on every platform and read it back.
     - no chunked prefill: a prompt's KV is written in one step, by one version.
-    worker_extension: a class path vLLM mixes into its worker (generator.WeightReceiver
+    worker_extension: a class path vLLM mixes into its worker (generator_process.WeightReceiver
     receives pushed weights there); None for an engine that loads them in this process."""
     from vllm import EngineArgs, LLMEngine
 
@@ -261,7 +261,7 @@ class Generator:
     timeline entry); whoever drives it empties it. clock: what it reads the time from
     (WallClock by default). receive(engine, version, weights): how new weights get into
     the engine (load_in_place by default; the generator process receives a broadcast).
-    The rest is the generator process's (generator.py; the defaults are the lesson's):
+    The rest is the generator process's (generator_process.py; the defaults are the lesson's):
     engine_id of `engines` (engine i writes the groups g = i mod engines); where a
     resumed run starts (start_version, start_group: the data position, skip_groups: the
     groups after it already consumed or rejected, start_stats: its counters);
@@ -303,7 +303,7 @@ class Generator:
         )
         self.version = self.start_version = start_version  # > 0 when resuming
         self.inflight = {}  # request id -> Rollout
-        # engine i of N writes the groups g = i mod N, from the data position on (pace.Pool.position)
+        # engine i of N writes the groups g = i mod N, from the data position on (pool.Pool.position)
         self.engine_id, self.engines, self.queue_size = engine_id, engines, queue_size
         self.proc = lane(engine_id, engines)  # its lane on the timeline
         self.start_group = start_group
@@ -396,7 +396,7 @@ class Generator:
     def may_admit(self):
         """AReaL's staleness bound: at most (version + max_lag + 1) batches admitted,
         not counting the groups the trainer's pool has rejected (--pool pace). The
-        trainer takes groups in admission order (pace.Pool), so nothing admitted now is
+        trainer takes groups in admission order (pool.Pool), so nothing admitted now is
         consumed more than max_lag versions after the weights that started it: this
         bounds the *generation* staleness of what is trained. A rejected group leaves
         its place to a new one, so a generator faster than the trainer keeps the pool

@@ -19,5 +19,5 @@ cd "$(dirname "$0")"
 .venv/bin/python -c "import vllm, transformers; from transformers import Qwen3ForCausalLM" \
   || { echo "install_cpu.sh: the environment does not import vllm + transformers" >&2; exit 1; }
 .venv/bin/python -c "import gguf, accelerate" \
-  || { echo "install_cpu.sh: gguf/accelerate missing: --model smol (smol.py) needs them" >&2; exit 1; }
+  || { echo "install_cpu.sh: gguf/accelerate missing: --model smol (tools/build_smol.py) needs them" >&2; exit 1; }
 echo "install_cpu.sh: ready (.venv, vllm $(.venv/bin/python -c 'import vllm; print(vllm.__version__)'))"

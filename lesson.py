@@ -7,7 +7,7 @@ The whole asynchronous GRPO loop in one process, on a simulated clock. Read this
 
 Two workers share one timeline. The generator (a vLLM engine stepped one decode step at
 a time: engine.Generator) writes answers to prompts, GRPO groups of --group-size; the
-trainer takes a step's worth of finished groups from the pool (pace.Pool), scores them,
+trainer takes a step's worth of finished groups from the pool (pool.Pool), scores them,
 takes one optimizer step (grpo.py) and pushes the new weights to the generator. Some
 answers are half-written when the weights land; the regime (regimes.py) decides what
 happens to them. train.py runs the same classes in two processes that work at the same
@@ -64,7 +64,7 @@ from grpo import (
     token_weights,
     train_step,
 )
-from pace import Pool, pool_stats
+from pool import Pool, pool_stats
 from preflight import check_budget, check_model
 from regimes import make_regime
 from runlog import RunLog, step_line, write_ledger

@@ -102,7 +102,7 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     plan = {"weights + grads (fp32)": 8 * n_params // world, "AdamW moments (fp32)": 8 * n_params // world}
     if world > 1:
         plan["FSDP2 gathered layers (fp32)"] = 2 * 4 * layer_params
-    # the push (generator.send_weights): the tensors sent, in the generator's dtype, held until they have
+    # the push (generator_process.send_weights): the tensors sent, in the generator's dtype, held until they have
     # gone out (at most PUSH_SEND_BYTES); on CPU with one rank they are the parameters themselves
     pushed = min(PUSH_SEND_BYTES, 2 * n_params if on_gpu else 4 * n_params if world > 1 else 0)
     return {
@@ -121,12 +121,12 @@ def head_size(config):
 # How far an engine's receiving runs ahead of vLLM's loader: bytes received and not yet
 # loaded, beyond the module vLLM is building. The trainer waits for the load only when the
 # engine is this far behind; the engine holds this much more memory during a push
-# (engine_plan). See generator.WeightReceiver.receive_weights. Here, with the plan, so that
+# (engine_plan). See generator_process.WeightReceiver.receive_weights. Here, with the plan, so that
 # the plan's readers (lesson.py among them) need not import the generator process.
 PUSH_AHEAD_BYTES = 64 * 2**20
 # The trainer's side: a push posts its broadcasts without waiting for them (the next step's
 # forward and backward go on meanwhile), holding what it sent until it has gone out, at most
-# this many bytes (generator.send_weights): all of Qwen3-0.6B in bf16; a larger model waits
+# this many bytes (generator_process.send_weights): all of Qwen3-0.6B in bf16; a larger model waits
 # for the engine past it
 PUSH_SEND_BYTES = 2 * 2**30
 
@@ -138,7 +138,7 @@ def engine_plan(config, dtype_bytes=2, ahead_bytes=PUSH_AHEAD_BYTES, on_cpu=Fals
     `ahead_bytes` (PUSH_AHEAD_BYTES; a larger tensor is posted alone, once the
     loader has taken all before it), and vLLM's layerwise reload keeps a module's tensors
     until the module is complete, then builds the layer and copies it in place
-    (generator.WeightReceiver): two of the largest module at once (its received tensors
+    (generator_process.WeightReceiver): two of the largest module at once (its received tensors
     and the layer built from them): the embedding (or lm_head), q+k+v (one fused module
     in vLLM) or gate+up; plus the run-ahead. On CPU a third: vLLM packs each rebuilt linear
     weight for oneDNN (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py)

@@ -2,7 +2,7 @@
 The run directory, out/<run>/, as both trainers write it (lesson.py on its simulated
 clock, train.py on the wall clock), how its files are read back (read_jsonl,
 activity_spans, per_token), and the wasted-work ledger read back from it. Every figure
-is drawn from these files (plot.py); rundir.py keeps them across a crash.
+is drawn from these files (plot.py); checkpoint.py keeps them across a crash.
 
     config.json     the run's settings, every flag resolved
     metrics.jsonl   one line per optimizer step (and the evaluation at step 0)
@@ -10,7 +10,7 @@ is drawn from these files (plot.py); rundir.py keeps them across a crash.
     answers.jsonl   one line per answer a step consumed or the pool rejected: its provenance
     eval_answers.jsonl  each evaluation's answers: the problem, the text, finished, right
     ledger.json     where the generated tokens and each process's time went (write_ledger)
-    ckpt/           train.py: the last checkpoint, Hugging Face format (rundir.py)
+    ckpt/           train.py: the last checkpoint, Hugging Face format (checkpoint.py)
 
 metrics.jsonl, the keys both trainers write: step, wall_s (seconds since the start;
 simulated in lesson.py), version (the weights the step trains), reward_mean, loss,

@@ -59,7 +59,7 @@ def parse_config(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--model", default="tiny", help="'tiny', 'smol' (tools/smol.py), a Hub id or a directory")
+    p.add_argument("--model", default="tiny", help="'tiny', 'smol' (tools/build_smol.py), a Hub id or a directory")
     p.add_argument("--dataset", default="synth", choices=["synth", "gsm8k", "math"], help="task")
     p.add_argument("--data-file", default=None, help="local .jsonl/.parquet train split in the Hub schema (offline)")
     p.add_argument("--synth-steps", type=int, default=8, help="operations per synth problem (8: ~70-token answers)")
@@ -270,7 +270,7 @@ def main(argv=None):
         # share the cores (the trainer, vLLM) OpenMP's spinning threads make it ~10x slower
         torch.set_num_threads(cfg["threads"])
     torch.manual_seed(cfg["seed"])
-    path = model_path(cfg["model"])  # 'tiny', 'smol' (built by tools/smol.py), a directory or a Hub id
+    path = model_path(cfg["model"])  # 'tiny', 'smol' (built by tools/build_smol.py), a directory or a Hub id
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     old = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()  # float32: see docstring

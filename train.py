@@ -8,18 +8,18 @@ generator gets new weights (--regime, see regimes.py).
     python train.py --resume out/<run>                         # continue a run where its checkpoint left it
     torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines (ranks.py)
 
-Two processes: this one (the trainer) and the generator (generator.py: a vLLM
+Two processes: this one (the trainer) and the generator (generator_process.py: a vLLM
 engine stepped one decode step at a time). Finished answers come over a bounded
 queue; new weights go to the vLLM worker by torch.distributed broadcast after
 every optimizer step. What guards the run before it starts is in preflight.py, where
 each process runs in devices.py, the run directory in runlog.py (the logs) and
-rundir.py (checkpoint, resume), what several trainer ranks add (torchrun, FSDP2) in
+checkpoint.py (checkpoint, resume), what several trainer ranks add (torchrun, FSDP2) in
 ranks.py: one line each here. Read it with one process in mind: with one, each
 ranks.* call is the identity.
 
 The algorithm is lesson.py's, on a simulated clock in one process there: read that
 first. The same pieces run here: the Generator and its regimes (engine.py,
-regimes.py), the pool (pace.py), the loss and the step (grpo.py: what the loss
+regimes.py), the pool (pool.py), the loss and the step (grpo.py: what the loss
 simplifies is said there), the flags and presets (config.py).
 """
 
@@ -52,7 +52,7 @@ from grpo import (
 )
 from preflight import check_budget, check_kv_plan, check_memory_plan, check_model
 from ranks import Ranks
-from rundir import cut_logs, load_trainer_state, resume_config, save_checkpoint
+from checkpoint import cut_logs, load_trainer_state, resume_config, save_checkpoint
 from runlog import RunLog, step_line, write_ledger
 
 # -----------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def parse_config(argv=None):
         default=0,
         help="seconds a live generator may send nothing while the trainer waits for it, before both "
         "stop with its stack (0: from --max-new-tokens and its slowest engine step, "
-        "generator.GeneratorHandle.stall_bound)",
+        "generator_process.GeneratorHandle.stall_bound)",
     )
     args = p.parse_args(argv)
     if args.resume:  # the saved config wins; only --steps may grow; it goes on from its checkpoint
@@ -120,8 +120,8 @@ def main(argv=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from reward import scored
-    from generator import GeneratorHandle
-    from pace import Pool, pool_stats
+    from generator_process import GeneratorHandle
+    from pool import Pool, pool_stats
 
     ranks = Ranks()  # torchrun's trainer ranks, or this one process (ranks.py)
     envs = prepare(cfg, ranks.world, ranks.local_rank)  # where each process runs, and what follows from it
@@ -137,11 +137,11 @@ def main(argv=None):
     device = cfg["trainer_device"]
     random.seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
-    # what a checkpoint saves of the run's progress (rundir.save_checkpoint): zero at the start
+    # what a checkpoint saves of the run's progress (checkpoint.save_checkpoint): zero at the start
     progress = dict(step=0, version=0, data_position=0, done_groups=[], gen_stats={}, trainer_cpu_s=0.0)
     if cfg.get("resume"):
         state = load_trainer_state(cfg["resume"])
-        progress = {k: state.get(k, v) for k, v in progress.items()}  # cfg has them too (rundir.resume_config)
+        progress = {k: state.get(k, v) for k, v in progress.items()}  # cfg has them too (checkpoint.resume_config)
     start_step, version = progress["step"], progress["version"]
     check_memory_plan(cfg, LOGIT_CHUNK_BYTES, ranks.world)
     ranks.start(device)
@@ -176,7 +176,7 @@ def main(argv=None):
     if problem := check_kv_plan(cfg, gen.engine_info):
         gen.stop()
         sys.exit(problem)
-    pool = Pool(cfg, progress["data_position"], progress["done_groups"])  # finished answers, by group (pace.py)
+    pool = Pool(cfg, progress["data_position"], progress["done_groups"])  # finished answers, by group (pool.py)
     last_stats, last_t = dict(gen.stats), time.time()
     cpu_s0 = progress["trainer_cpu_s"] - time.process_time()  # resume: the trainer's CPU time at the checkpoint
     eval_prompt_ids = prompt_ids(tokenizer, test, cfg["dataset"])
@@ -213,7 +213,7 @@ def main(argv=None):
             log.metric(dict(m, wall_s=round(time.time() - t_start, 2)))
             print(f"step 0 | eval v0 {m['eval_acc']:.3f}", flush=True)
         for step in range(start_step + 1, cfg["steps"] + 1):
-            # 1. intake: the oldest groups not yet trained, once all their answers are in (pace.Pool)
+            # 1. intake: the oldest groups not yet trained, once all their answers are in (pool.Pool)
             log.trainer("waiting")
             t0, waited[0] = time.time(), 0.0
             while (msg := gen.get(timeout=0)) is not None:  # whatever already arrived
@@ -353,7 +353,7 @@ def saves_at(cfg, step):
 
 if __name__ == "__main__":
     import signal
-    from generator import GeneratorDied
+    from generator_process import GeneratorDied
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, schedulers: stop as Ctrl-C does
     import faulthandler

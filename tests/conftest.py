@@ -1,5 +1,5 @@
 """The tests import the lesson's modules (train, generator, ...) and the tools
-(tools.tiny, ...) from the repository root, and run its programs by relative path
+(tools.build_tiny, ...) from the repository root, and run its programs by relative path
 (train.py, fixtures/...): both hold wherever pytest is started from. What several test
 files share is in tests/helpers.py (no test file imports another).
 

@@ -177,23 +177,23 @@ MUTANTS = {
         ),
     ],
     "pace": [
-        ("ties the other way", "pace.py", "(-eff[g], _completed(pool[g]))", "(-eff[g], -_completed(pool[g]))"),
-        ("ties by group id", "pace.py", "(-eff[g], _completed(pool[g]))", "(-eff[g], g)"),
-        ("freshest first", "pace.py", "(-eff[g], _completed(pool[g]))", "(eff[g], _completed(pool[g]))"),
+        ("ties the other way", "pool.py", "(-eff[g], _completed(pool[g]))", "(-eff[g], -_completed(pool[g]))"),
+        ("ties by group id", "pool.py", "(-eff[g], _completed(pool[g]))", "(-eff[g], g)"),
+        ("freshest first", "pool.py", "(-eff[g], _completed(pool[g]))", "(eff[g], _completed(pool[g]))"),
         (
             "fewer than n left",
-            "pace.py",
+            "pool.py",
             "min(max(0, len(pool) - target), max(0, len(pool) - n))",
             "max(0, len(pool) - target)",
         ),
-        ("budget off by one", "pace.py", "min(max(0, len(pool) - target),", "min(max(0, len(pool) - target - 1),"),
+        ("budget off by one", "pool.py", "min(max(0, len(pool) - target),", "min(max(0, len(pool) - target - 1),"),
         (
             "lam ignored",
-            "pace.py",
+            "pool.py",
             "eff = {g: effective_staleness(pool[g], version, lam)",
             "eff = {g: effective_staleness(pool[g], version, 1.0)",
         ),
-        ("left in the pool", "pace.py", "return [pool.pop(g) for g in worst]", "return [pool[g] for g in worst]"),
+        ("left in the pool", "pool.py", "return [pool.pop(g) for g in worst]", "return [pool[g] for g in worst]"),
     ],
 }
 

@@ -32,7 +32,7 @@ def start(regime, *extra, tmp="out/test", **overrides):
     """A generator process as train.py starts it; returns (handle, cfg). overrides:
     settings train.py refuses (temperature 0: greedy answers to compare with HF's)."""
     from devices import prepare
-    from generator import GeneratorHandle
+    from generator_process import GeneratorHandle
     from train import parse_config
 
     cfg = dict(parse_config(["--regime", regime, "--out", tmp, *extra]), **overrides)

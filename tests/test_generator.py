@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from generator import GeneratorDied
+from generator_process import GeneratorDied
 from devices import prepare
 from helpers import check_sync_is_exact, collect, hf_model, start
 from train import parse_config

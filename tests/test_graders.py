@@ -15,7 +15,7 @@ import torch
 
 import engine
 import grpo
-import pace
+from pool import reject_stalest
 import regimes
 
 pytestmark = pytest.mark.fast
@@ -157,7 +157,7 @@ def test_pace_breaks_ties_by_completion():
     """Four groups of equal effective staleness, completed in the order 2, 3, 0, 1 (not
     their ids'): target 2 rejects two, the two completed first, and leaves the others."""
     pool = {g: group(g, [1, 1], finished) for g, finished in ((0, 3.0), (1, 4.0), (2, 1.0), (3, 2.0))}
-    rejected = pace.reject_stalest(pool, 1, 2, 0.5, 2)
+    rejected = reject_stalest(pool, 1, 2, 0.5, 2)
     assert [g[0]["group_id"] for g in rejected] == [2, 3] and sorted(pool) == [0, 1]
 
 
@@ -170,11 +170,11 @@ def test_pace_reject_by_hand():
         return {0: group(0, [3, 3], 1.0), 1: group(1, [1, 1], 2.0), 2: group(2, [0, 2], 3.0)}
 
     p = pool()
-    assert [g[0]["group_id"] for g in pace.reject_stalest(p, 2, 4, 0.5, 1)] == [1] and sorted(p) == [0, 2]
+    assert [g[0]["group_id"] for g in reject_stalest(p, 2, 4, 0.5, 1)] == [1] and sorted(p) == [0, 2]
     p = pool()
-    assert [g[0]["group_id"] for g in pace.reject_stalest(p, 1, 4, 0.5, 1)] == [1, 2] and sorted(p) == [0]
+    assert [g[0]["group_id"] for g in reject_stalest(p, 1, 4, 0.5, 1)] == [1, 2] and sorted(p) == [0]
     p = pool()
-    assert pace.reject_stalest(p, 1, 4, 0.5, 3) == [] and sorted(p) == [0, 1, 2]
+    assert reject_stalest(p, 1, 4, 0.5, 3) == [] and sorted(p) == [0, 1, 2]
 
 
 def test_icepop_reports_a_masked_token_that_ppo_does_not_clip():

@@ -233,7 +233,7 @@ def test_only_drawing_imports_plot():
     """plot.py draws; reading the run directory is runlog.py's. A module of the lesson or a
     tool imports from plot only what draws (drawing_names: a plot_* figure or a palette),
     by name, never the module whole; so nothing that writes or reads a run pulls in the
-    figures (runlog.py and rundir.py used to, for read_jsonl)."""
+    figures (runlog.py and checkpoint.py used to, for read_jsonl)."""
     allowed, bad = drawing_names(), []
     assert {"plot_run", "plot_answers", "plot_curves", "COLOURS"} <= allowed, allowed
     for m, path in project_modules().items():

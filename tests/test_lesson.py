@@ -67,8 +67,8 @@ def test_lesson_is_short_and_imports_no_process_machinery():
         if m not in seen:
             seen.add(m)
             todo += g[m]
-    assert {"engine", "regimes", "pace", "grpo", "reward", "data", "config", "runlog"} <= seen
-    assert not seen & {"generator", "ranks", "rundir", "devices", "train"}, seen
+    assert {"engine", "regimes", "pool", "grpo", "reward", "data", "config", "runlog"} <= seen
+    assert not seen & {"generator_process", "ranks", "checkpoint", "devices", "train"}, seen
     for m in seen:
         text = open(os.path.join(ROOT, m + ".py")).read()
         for bad in ("multiprocessing", "torch.distributed", "import signal", "faulthandler"):

@@ -1,11 +1,11 @@
-# tests for pace.py (the pool policies). run: python -m pytest -q tests/test_pace.py  (a few seconds, CPU only)
+# tests for pool.py (the pool policies). run: python -m pytest -q tests/test_pace.py  (a few seconds, CPU only)
 import random
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pace import (
+from pool import (
     Pool,
     default_target,
     effective_staleness,

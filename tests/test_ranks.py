@@ -161,7 +161,7 @@ def sync_job(out):
     weights and push them (rank 0 broadcasts what both gathered); rank 0 collects greedy
     answers written by them from both engines."""
     from helpers import collect, hf_logprobs, hf_model, perturbed
-    from generator import GeneratorHandle
+    from generator_process import GeneratorHandle
     from devices import prepare
     from ranks import Ranks
     from train import parse_config

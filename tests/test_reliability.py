@@ -158,23 +158,23 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
     import shutil
     import torch
     from transformers import AutoModelForCausalLM
-    import rundir
+    import checkpoint
     from ranks import Ranks
-    from tools.tiny import RECIPE, build_model, build_tokenizer
+    from tools.build_tiny import RECIPE, build_model, build_tokenizer
 
     tok = build_tokenizer()
     model = build_model(len(tok), RECIPE)
     opt = torch.optim.AdamW(model.parameters())
     cfg = dict(out=str(tmp_path))
-    for name in rundir.LOGS:
+    for name in checkpoint.LOGS:
         (tmp_path / name).write_text("{}\n")
     ckpt = str(tmp_path / "ckpt")
 
     def save(step):
-        rundir.save_checkpoint(cfg, model, tok, opt, Ranks(), dict(step=step, version=step, data_position=4 * step))
+        checkpoint.save_checkpoint(cfg, model, tok, opt, Ranks(), dict(step=step, version=step, data_position=4 * step))
 
     def resumes_at(step):
-        path = rundir.recover_checkpoint(str(tmp_path))
+        path = checkpoint.recover_checkpoint(str(tmp_path))
         assert torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)["step"] == step
         AutoModelForCausalLM.from_pretrained(path)  # loads whole
 
@@ -211,7 +211,7 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
         resumes_at(step - 1 if survivor == "previous" else step)
         save(step)  # the next save cleans up whatever the dead one left
         resumes_at(step)
-        assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *rundir.LOGS])
+        assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *checkpoint.LOGS])
 
 
 SMALL = [

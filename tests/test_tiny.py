@@ -1,5 +1,5 @@
 """
-The tiny preset (tools/tiny.py): the weights the repository ships are the ones its
+The tiny preset (tools/build_tiny.py): the weights the repository ships are the ones its
 recipe builds, and the recipe still builds.
 
     .venv/bin/python -m pytest -q tests/test_tiny.py
@@ -14,12 +14,12 @@ from config import model_path
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-long"])
 def test_shipped_tiny_model_is_the_recipes(name):
-    """weights/<name> is what tiny.py's recipe built (its hash), with the tokenizer the
+    """weights/<name> is what tools/build_tiny.py's recipe built (its hash), with the tokenizer the
     recipe builds now: change the recipe or the synth code and this fails until the
-    weights are shipped again (python tools/tiny.py --rebuild NAME, then copy the build)."""
+    weights are shipped again (python tools/build_tiny.py --rebuild NAME, then copy the build)."""
     import json
     from transformers import AutoTokenizer
-    from tools import tiny
+    from tools import build_tiny as tiny
 
     with open(os.path.join("weights", name, "recipe.json")) as f:
         assert json.load(f)["recipe_hash"] == tiny.recipe_hash(name), (
@@ -31,10 +31,10 @@ def test_shipped_tiny_model_is_the_recipes(name):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-long"])
 def test_tiny_recipe_builds(name, tmp_path, monkeypatch):
-    """The rebuild path (python tools/tiny.py --rebuild NAME), shortened to 3 warm-start steps
+    """The rebuild path (python tools/build_tiny.py --rebuild NAME), shortened to 3 warm-start steps
     (tiny-long's stop_at, 2 of them): a complete cache directory that transformers loads."""
     from transformers import AutoModelForCausalLM
-    from tools import tiny
+    from tools import build_tiny as tiny
 
     short = dict(tiny.RECIPES[name], sft_steps=3, warmup=1) | (
         {"stop_at": 2} if "stop_at" in tiny.RECIPES[name] else {}
@@ -48,7 +48,7 @@ def test_tiny_recipe_builds(name, tmp_path, monkeypatch):
 def test_long_preset_starts_from_tiny_long():
     """--preset long runs from the shipped tiny-long weights (config.py's PRESETS), and a
     --model given on the command line still wins over the preset's."""
-    from tools import tiny
+    from tools import build_tiny as tiny
     from train import parse_config
 
     cfg = parse_config(["--preset", "long", "--out", "out/test-preset"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import grpo
-import rundir
+import checkpoint
 import train
 from helpers import LOSS_CFG, batch_of, small_model, with_logprobs
 
@@ -222,7 +222,7 @@ def test_buffer_device_follows_backend():
     """torch names backends in lowercase: the receive buffers must not depend on "NCCL"."""
     import tempfile
     import torch.distributed as dist
-    from generator import buffer_device
+    from generator_process import buffer_device
 
     assert dist.ProcessGroupGloo(dist.FileStore(tempfile.mktemp(), 1), 0, 1).name() == "gloo"
     assert buffer_device("nccl", "cuda:0") == "cuda:0"
@@ -244,7 +244,7 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
         torch.save(dict(opt=opt.state_dict(), step=3), tmp_path / "ckpt" / "trainer_state.pt")
     with pytest.raises(RuntimeError, match="CUDA"):  # what --resume did before map_location
         torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)
-    state = rundir.load_trainer_state(str(tmp_path))
+    state = checkpoint.load_trainer_state(str(tmp_path))
     opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt2.load_state_dict(state["opt"])
     opt2.step()

@@ -4,7 +4,7 @@ same run, printed as ratios (targets: sync <= 1.2x, tokens/s >= 0.95x); exits 1 
 ratio misses its target (or a push's memory its plan), so a regression shows where it happens.
 
     .venv/bin/python tools/bench_sync.py           # CPU: tiny model for tokens/s, a ~50M random Qwen3 for sync
-    .venv/bin/python tools/bench_sync.py --sync-model smol --gen-model smol --prompts 4   # SmolLM2-135M (tools/smol.py)
+    .venv/bin/python tools/bench_sync.py --sync-model smol --gen-model smol --prompts 4  # SmolLM2-135M (build_smol.py)
     python tools/bench_sync.py --sync-model Qwen/Qwen3-0.6B --gen-device cuda:0 --train-device cuda:1   # GPUs
 
 1. weight sync: the time train.py's push blocks the trainer vs a raw torch.distributed
@@ -19,7 +19,7 @@ ratio misses its target (or a push's memory its plan), so a regression shows whe
    kinds alternating 1 s apart so that all meet the same machine. And the generator's
    resident memory over the pushes: its peak above where it stood after the warm-up push
    (against preflight.engine_plan, which a push must stay within), and what each keeps.
-2. generation: generator.py's step loop (one engine.step() at a time, per-token
+2. generation: generator_process.py's step loop (one engine.step() at a time, per-token
    bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
 3. provenance (--only provenance): the step loop with the per-answer record
    (Rollout.record's run-length segments, answers.jsonl) vs the same loop with a
@@ -39,7 +39,7 @@ from preflight import PUSH_AHEAD_BYTES  # noqa: E402  (imports neither torch nor
 
 
 # sync: the engine posts its receives up to --push-ahead-mib ahead of vLLM's reload
-# (generator.WeightReceiver), so the trainer waits for the load only where the engine falls
+# (generator_process.WeightReceiver), so the trainer waits for the load only where the engine falls
 # that far behind: 0.9x a raw broadcast when the engine received everything into a copy it
 # kept; 1.75-2.3x when it received each tensor only once the loader had loaded the previous
 # one (RESULTS.md, "Receive buffers"); 1.59x with 64 MiB ahead ("Run-ahead receive")
@@ -50,7 +50,7 @@ def raw_receiver(host, port, backend, specs, rounds):
     """The baseline's receiving end: join a two-member group and receive, nothing else.
     On CPU it keeps to the cores the generator gets, as vLLM's worker does."""
     import torch
-    from generator import init_weight_group, keep_to_gen_cores
+    from generator_process import init_weight_group, keep_to_gen_cores
 
     keep_to_gen_cores()
     group = init_weight_group(host, port, 1, 2, backend)
@@ -68,7 +68,7 @@ def bench_sync(args):
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
-    from generator import GeneratorHandle, init_weight_group, spawn_with_env
+    from generator_process import GeneratorHandle, init_weight_group, spawn_with_env
     from ranks import weight_specs
     from preflight import engine_plan
     from devices import prepare
@@ -78,7 +78,7 @@ def bench_sync(args):
     if path == "medium":  # a random Qwen3 big enough that bytes, not per-call overhead, dominate
         path = os.path.join("out", "bench-medium")
         if not os.path.exists(os.path.join(path, "config.json")):
-            from tools.tiny import build_tokenizer
+            from tools.build_tiny import build_tokenizer
 
             tok = build_tokenizer()
             config = AutoConfig.for_model(
@@ -96,7 +96,7 @@ def bench_sync(args):
             AutoModelForCausalLM.from_config(config).save_pretrained(path)
             tok.save_pretrained(path)
     elif path == "smol":
-        from tools.smol import smol_model_dir
+        from tools.build_smol import smol_model_dir
 
         path = smol_model_dir()
     cfg = parse_config(

@@ -97,7 +97,7 @@ EXERCISES = {
         ],
     ),
     "pace": dict(
-        where=("pace.py", "reject_stalest"),
+        where=("pool.py", "reject_stalest"),
         task="PACE: reject up to len(pool) - target groups, highest effective staleness first (ties: the group "
         "that completed first), never leaving fewer than n; return them, removed from the pool",
         hint="effective_staleness and _completed are there to use",

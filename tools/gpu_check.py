@@ -58,7 +58,7 @@ def check_sync(args):
     compare vLLM's logprobs with the trainer's."""
     import torch
     from transformers import AutoModelForCausalLM
-    from generator import GeneratorHandle
+    from generator_process import GeneratorHandle
     from devices import prepare
     from grpo import answer_logprobs
     from train import parse_config

@@ -272,7 +272,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
     problems = load_problems(cfg["dataset"], "train", data_file=cfg.get("data_file"), steps=cfg["synth_steps"])
     random.Random(cfg["seed"]).shuffle(problems)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
-    engine = make_engine(cfg, worker_extension="generator.WeightReceiver")
+    engine = make_engine(cfg, worker_extension="generator_process.WeightReceiver")
     outbox = []
 
     def receive(engine, version, specs):

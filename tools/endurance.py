@@ -1,15 +1,15 @@
 """
-Soak: does either process's memory grow over a long run? train.py with the tiny
+Endurance (a soak test): does either process's memory grow over a long run? train.py with the tiny
 model for --steps steps without evaluation, sampling the resident memory (RSS) of
 the trainer and of the generator every --every seconds. Not a test (it takes
 ~20 min on 2 CPU cores); the README has its numbers.
 
-    python tools/soak.py                            # 1,000 steps, the synth defaults
-    python tools/soak.py --steps 300 -- --regime stale  # flags after -- go to train.py
+    python tools/endurance.py                            # 1,000 steps, the synth defaults
+    python tools/endurance.py --steps 300 -- --regime stale  # flags after -- go to train.py
 
 Prints both RSS every 100 steps, then the growth per 100 steps: the least-squares
 slope over the samples from step 100 on (the first steps fill caches and the
-allocator's pools; that is start-up, not a leak). Samples go to <run>/soak.jsonl.
+allocator's pools; that is start-up, not a leak). Samples go to <run>/endurance.jsonl.
 """
 
 import argparse
@@ -53,13 +53,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     p.add_argument("--every", type=float, default=2.0, help="seconds between memory samples")
-    p.add_argument("--out", default=None, help="run directory (default: out/soak-<time>)")
+    p.add_argument("--out", default=None, help="run directory (default: out/endurance-<time>)")
     p.add_argument("train_args", nargs="*", help="more train.py flags, after --")
     args = p.parse_args()
     # stop cleanly on Ctrl-C or `kill`, even when started in the background (which ignores SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    run = args.out or os.path.join("out", f"soak-{time.strftime('%m%d-%H%M%S')}")
+    run = args.out or os.path.join("out", f"endurance-{time.strftime('%m%d-%H%M%S')}")
     cmd = [
         sys.executable,
         os.path.join(ROOT, "train.py"),
@@ -116,14 +116,14 @@ def main():
         proc.terminate()
     proc.wait()
     if not samples:
-        sys.exit(f"soak.py: no step finished (train.py exit code {proc.returncode})")
-    with open(os.path.join(run, "soak.jsonl"), "w") as f:
+        sys.exit(f"endurance.py: no step finished (train.py exit code {proc.returncode})")
+    with open(os.path.join(run, "endurance.jsonl"), "w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
     later = [s for s in samples if s["step"] >= 100] or samples
     print(
         f"train.py exit code {proc.returncode}; {len(samples)} samples, steps {samples[0]['step']}-"
-        f"{samples[-1]['step']}, {samples[-1]['t']:.0f} s; samples in {run}/soak.jsonl"
+        f"{samples[-1]['step']}, {samples[-1]['t']:.0f} s; samples in {run}/endurance.jsonl"
     )
     for who in ("trainer", "generator"):
         first, last = later[0][f"{who}_mib"], later[-1][f"{who}_mib"]

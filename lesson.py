@@ -1,7 +1,7 @@
 """
 The whole asynchronous GRPO loop in one process, on a simulated clock. Read this first.
 
-    python lesson.py                                      # tiny model, short answers: 150 steps, ~2.5 min on 2 cores
+    python lesson.py                                      # tiny model, short answers: 150 steps, ~2.7 min on 2 cores
     python lesson.py --preset long --regime stale         # long answers: a third of trained tokens stale, ~2 min
     python plot.py --answers out/lesson-stale-long-s0     # one weight switch, answer by answer
 

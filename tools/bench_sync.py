@@ -153,7 +153,7 @@ def bench_sync(args):
     highest = [0]
 
     ids = torch.randint(0, model.config.vocab_size, (1, args.step_tokens), device=device)
-    step_s = []  # each round's forward and backward
+    step_s = []  # each overlapped push's forward and backward
 
     def watched_push(overlap=True):
         """A push, the generator's resident memory sampled every 2 ms from before it until 1 s
@@ -170,15 +170,15 @@ def bench_sync(args):
         t0 = time.time()
         gen.push(sd, wait=False)
         took = time.time() - t0
-        t1 = time.time()
         if overlap:
+            t1 = time.time()
             loss = model(ids, labels=ids).loss  # the next step's forward and backward: reads the weights
             loss.backward()
             model.zero_grad(set_to_none=True)
+            step_s.append(time.time() - t1)
         t2 = time.time()
         gen.settle()
         took += time.time() - t2
-        step_s.append(t2 - t1)
         time.sleep(1)  # as in training, a step passes between pushes: the reload of the last one is done
         done.set()
         watcher.join()
@@ -202,7 +202,7 @@ def bench_sync(args):
         raw.append(time.time() - t0)
         time.sleep(1)
         whole.append(watched_push(overlap=False))
-    step_s = [s for s, overlapped in zip(step_s[1:], [True, False] * args.rounds) if overlapped]
+    del step_s[0]  # the warm-up's
     gen.stop()
     proc.join()
     mib = lambda b: f"{b / 2**20:+.0f} MiB"

@@ -301,8 +301,10 @@ class Generator:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        self.version = self.start_version = start_version  # > 0 when resuming
         self.inflight = {}  # request id -> Rollout
+        self.admitting = True  # drain turns this off while it finishes old answers
+        # the generator process's: a resumed run, several engines, PACE (the lesson's defaults: v0, group 0, one)
+        self.version = self.start_version = start_version  # > 0 when resuming
         # engine i of N writes the groups g = i mod N, from the data position on (pool.Pool.position)
         self.engine_id, self.engines, self.queue_size = engine_id, engines, queue_size
         self.proc = lane(engine_id, engines)  # its lane on the timeline
@@ -310,9 +312,8 @@ class Generator:
         self.next_group = self.start_group + (self.engine_id - self.start_group) % engines
         self.skip = set(skip_groups)  # groups after it already consumed or rejected (resume)
         self.rejected = 0  # groups the trainer's pool rejected since this generator started (may_admit)
-        self.admitting = True  # drain turns this off while it finishes old answers
         self.stats = dict(
-            gen_tokens=0, gen_busy_s=0.0, gen_idle_s=0.0, discarded_tokens=0, recomputed_tokens=0, loads=0, preempted=0
+            gen_tokens=0, gen_idle_s=0.0, drain_s=0.0, discarded_tokens=0, recomputed_tokens=0, loads=0, preempted=0
         )
         self.stats.update(start_stats or {})  # resume: the run's counters at its checkpoint
         # requests in the engine at once (training + eval): at most what its KV cache holds
@@ -391,20 +392,25 @@ class Generator:
         self.stats["load_s"] = self.stats.get("load_s", 0.0) + t1 - t0
         self.mark("load", t0, t1)
 
+    def idle_until(self, t):
+        """Nothing in flight and nothing to admit until new weights come at t: idle (the
+        lesson's clock jumps there; the generator process waits on its queue instead)."""
+        self.set_activity("idle")
+        self.stats["gen_idle_s"] += self.clock.wait_until(t)
+
     # -- the loop's parts
 
     def may_admit(self):
-        """AReaL's staleness bound: at most (version + max_lag + 1) batches admitted,
-        not counting the groups the trainer's pool has rejected (--pool pace). The
-        trainer takes groups in admission order (pool.Pool), so nothing admitted now is
-        consumed more than max_lag versions after the weights that started it: this
-        bounds the *generation* staleness of what is trained. A rejected group leaves
-        its place to a new one, so a generator faster than the trainer keeps the pool
-        above PACE's target and PACE keeps rejecting the stalest (its *waiting*
-        staleness), as its abstract describes. (Counting rejected groups as admitted
-        let PACE reject once and never again: after one burst the pool could not
-        exceed its target.) Also bounded: finished answers not yet handed over, and the
-        KV cache (kv_capacity)."""
+        """AReaL's staleness bound: at most (version + max_lag + 1) batches admitted.
+        The trainer takes groups in admission order (pool.Pool), so nothing admitted now
+        is consumed more than max_lag versions after the weights that started it: this
+        bounds the *generation* staleness of what is trained. Also bounded: finished
+        answers not yet handed over, and the KV cache (kv_capacity).
+        Not the lesson's, and each 0 or unbounded there: versions count from
+        start_version and groups from start_group (a resumed run); a group the trainer's
+        pool rejected (--pool pace) leaves its place to a new one, so a generator faster
+        than the trainer keeps the pool above PACE's target; queue_size (the generator
+        process's queue)."""
         versions = self.version - self.start_version + self.cfg["max_lag"] + 1
         budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
         handed_over = len(self.outbox) < self.queue_size  # lesson.py empties it every turn
@@ -462,7 +468,6 @@ class Generator:
                 self.outbox.append(("sample", sample))
         self.stats["gen_tokens"] += tokens
         self.stats["recomputed_tokens"] += rebuilt
-        self.stats["gen_busy_s"] += t1 - t0
 
     def evaluate(self, prompts, max_tokens):
         """Greedy answers under the weights loaded now, as (token ids, finish reason)

@@ -172,24 +172,22 @@ def old_logprobs(cfg, model, batch, adv, device, n_micro=0):
     skipped, as train_step skips them."""
     import torch
 
-    run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
-    mbs = micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"])
+    trained = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
+    mbs = micro_batches([batch[i] for i in trained], cfg["micro_batch_tokens"])
     with torch.no_grad():
-        for _ in range(n_micro - len(mbs)):  # several ranks: the same number of forwards each (FSDP2)
-            empty = dict(prompt_ids=torch.zeros(1, dtype=torch.long), token_ids=torch.zeros(1, dtype=torch.long))
-            answer_logprobs(model, [empty], cfg["temperature"], device)
+        empty_micro_batches(cfg, model, n_micro - len(mbs), device)  # several ranks only
         for idx in mbs:
-            mb = [batch[run[j]] for j in idx]
+            mb = [batch[trained[j]] for j in idx]
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
                 logp = answer_logprobs(model, mb, cfg["temperature"], device).float().cpu()
             for s, part in zip(mb, logp.split([len(s["token_ids"]) for s in mb])):
                 s["old_logprobs"] = part
 
 
-def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
+def train_step(cfg, model, batch, adv, loss_weights, device, n_micro=0):
     """Forward and backward of the whole batch, micro-batch by micro-batch
     (--micro-batch-tokens), gradients accumulating in .grad. Every token of answer i
-    counts with weights[i], which token_weights computes for the *whole* batch (more
+    counts with loss_weights[i], which token_weights computes for the *whole* batch (more
     than `batch` holds when it is one rank's share), so the gradient is that of the
     batch's loss whatever the split. Returns floats that add up over ranks: the loss,
     the sum of |log pi - log mu| over the answer tokens it ran and their number, then
@@ -197,20 +195,16 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
 
     An answer whose advantage is 0 (its group's rewards all equal) adds exactly 0 to
     the loss and its gradient, so it is not run at all: the gradient is the same,
-    for less work. On long-tailed tasks many groups are all right or all wrong.
-    (Several ranks: every rank runs n_micro micro-batches, empty ones if it has fewer,
-    since FSDP2's gathers are collective: ranks.py.)"""
+    for less work. On long-tailed tasks many groups are all right or all wrong."""
     import torch
 
-    run = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
+    trained = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]  # indices into batch
     loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     diag = []  # per micro-batch: (log pi - log mu, clipped or masked, stale KV, lag), detached, on `device`
-    mbs = micro_batches([batch[i] for i in run], cfg["micro_batch_tokens"])
-    for _ in range(n_micro - len(mbs)):  # an empty micro-batch: one token through the model, weighted 0
-        empty = dict(prompt_ids=torch.zeros(1, dtype=torch.long), token_ids=torch.zeros(1, dtype=torch.long))
-        (0 * answer_logprobs(model, [empty], cfg["temperature"], device).sum()).backward()
+    mbs = micro_batches([batch[i] for i in trained], cfg["micro_batch_tokens"])
+    empty_micro_batches(cfg, model, n_micro - len(mbs), device)  # several ranks only
     for idx in mbs:
-        idx = [run[j] for j in idx]
+        idx = [trained[j] for j in idx]
         mb = [batch[i] for i in idx]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
             logp = answer_logprobs(model, mb, cfg["temperature"], device)  # (N_mb,)
@@ -219,7 +213,7 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
             torch.cat([s["old_logprobs"] for s in mb]).to(device) if "old_logprobs" in mb[0] else logp.detach()
         )  # pi_old: before the batch's first step (one step per batch: this one)
         a = torch.cat([adv[i].expand(len(batch[i]["token_ids"])) for i in idx])
-        w = torch.cat([weights[i].expand(len(batch[i]["token_ids"])) for i in idx])
+        w = torch.cat([loss_weights[i].expand(len(batch[i]["token_ids"])) for i in idx])
         answer = torch.cat([torch.full((len(s["token_ids"]),), j) for j, s in enumerate(mb)]).to(device)
         per_token, clipped = LOSSES[cfg["loss"]](cfg, logp, old, behaviour, a, answer)
         loss = (per_token * w).sum()
@@ -235,10 +229,23 @@ def train_step(cfg, model, batch, adv, weights, device, n_micro=0):
                 torch.cat([s.get("lag", z) for s, z in zip(mb, none)]).to(device),
             )
         )
-    run_tokens = sum(len(batch[i]["token_ids"]) for i in run)
-    # syncs: these, and `run` before any work is queued
+    gap_tokens = sum(len(batch[i]["token_ids"]) for i in trained)
+    # syncs: these, and `trained` before any work is queued
     sums = offpolicy_sums(*(torch.cat(x) for x in zip(*diag))) if diag else [0.0] * 5 * (1 + len(SPLITS))
-    return (loss_sum.item(), gap_sum.item(), run_tokens, *sums)
+    return (loss_sum.item(), gap_sum.item(), gap_tokens, *sums)
+
+
+def empty_micro_batches(cfg, model, n, device):
+    """Several ranks (not the lesson's): FSDP2's gathers are collective, so every rank runs
+    as many micro-batches as the busiest (train.py's n_micro); a rank with fewer runs n
+    empty ones: one token through the model, weighted 0 (a forward alone under no_grad)."""
+    import torch
+
+    for _ in range(n):
+        empty = dict(prompt_ids=torch.zeros(1, dtype=torch.long), token_ids=torch.zeros(1, dtype=torch.long))
+        logp = answer_logprobs(model, [empty], cfg["temperature"], device)
+        if logp.requires_grad:
+            (0 * logp.sum()).backward()
 
 
 def token_weights(cfg, batch):
@@ -435,6 +442,7 @@ def generator_metrics(stats, prev, seconds):
     return dict(
         gen_tok_per_s=(stats["gen_tokens"] - prev["gen_tokens"]) / seconds,
         gen_idle_s=stats["gen_idle_s"] - prev["gen_idle_s"],
+        gen_drain_s=stats.get("drain_s", 0.0) - prev.get("drain_s", 0.0),  # (a checkpoint from before it has none)
         **{k: stats[k] - prev[k] for k in ("discarded_tokens", "recomputed_tokens", "preempted")},
     )  # preempted: kept at 0 (engine.kv_capacity)
 

@@ -41,6 +41,7 @@ import json
 import os
 import random
 import shutil
+from typing import NamedTuple
 
 from engine import Generator, as_tensors, load_in_place, make_engine, vllm_env
 
@@ -82,7 +83,24 @@ class SimClock:
         return self.t
 
     def spend(self, work, tokens=0):
-        self.t += self.cfg["step_s"] + self.cfg["prefill_s"] * tokens if work == "step" else self.cfg["load_s"]
+        if work == "step":
+            self.t += self.cfg["step_s"] + self.cfg["prefill_s"] * tokens
+        else:  # "load"
+            self.t += self.cfg["load_s"]
+
+    def wait_until(self, t):
+        """Nothing to do until t: time jumps there. Returns the seconds waited."""
+        waited = max(0.0, t - self.t)
+        self.t = max(self.t, t)
+        return waited
+
+
+class Push(NamedTuple):
+    """The trainer's new weights on their way to the generator."""
+
+    version: int  # the version they become
+    ready_s: float  # when the trainer has them: its step's start + its cost
+    metrics: dict  # the step's metrics, finished when the weights land
 
 
 def parse_config(argv=None):
@@ -188,7 +206,7 @@ def main(argv=None, engine=None):
         log.metric(m := dict(step=0, wall_s=0.0, version=0, **evaluate(0, 0), eval_version=0))
         print(f"step 0 | eval v0 {m['eval_acc']:.3f}", flush=True)
     version, step = 0, 0  # the weights the trainer holds; optimizer steps taken
-    push = None  # the trainer's new weights on their way to the generator: (version, when they are ready)
+    push = None  # a Push, from the end of a trainer step until the generator loads its weights
     free_at, last_stats, last_t = clock.now(), dict(gen.stats), clock.now()
     while step < cfg["steps"] or push:
         # 1. what the generator finished since the last turn: answers into the pool, events into the log
@@ -213,16 +231,17 @@ def main(argv=None, engine=None):
                 **pool_stats(groups, rejected, pool.complete, version),
                 trainer_wait_s=start - free_at,
             )
-            push = (version + 1, start + cfg["train_s"] * m["run_tokens"])
+            push = Push(version + 1, start + cfg["train_s"] * m["run_tokens"], m)
 
         # 3. the push: once the weights are ready, the regime decides, between two engine steps,
         #    what happens to the answers in flight (drain keeps the trainer waiting until they finish)
-        if push and clock.now() >= push[1]:
-            log.trainer("syncing", t=push[1])
-            if regime.switch(gen, push[0], model.state_dict()):
-                now = clock.now()
-                m.update(wall_s=now, sync_s=now - push[1], **generator_metrics(gen.stats, last_stats, now - last_t))
-                version, last_stats, last_t, push = push[0], dict(gen.stats), now, None
+        if push and clock.now() >= push.ready_s:
+            log.trainer("syncing", t=push.ready_s)
+            if regime.switch(gen, push.version, model.state_dict()):
+                now, m = clock.now(), push.metrics
+                m.update(wall_s=now, sync_s=now - push.ready_s)
+                m.update(generator_metrics(gen.stats, last_stats, now - last_t))
+                version, last_stats, last_t, push = push.version, dict(gen.stats), now, None
                 if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
                     log.trainer("evaluating")
                     m.update(evaluate(step, version), eval_version=version)  # the weights just loaded
@@ -238,9 +257,7 @@ def main(argv=None, engine=None):
             gen.set_activity("generating" if gen.admitting else "draining")
             gen.step()
         elif push:  # sync, or --max-lag reached: nothing to write until new weights load
-            gen.set_activity("idle")
-            gen.stats["gen_idle_s"] += push[1] - clock.now()
-            clock.t = push[1]  # time jumps to the weights' arrival
+            gen.idle_until(push.ready_s)  # time jumps to the weights' arrival
         else:
             raise RuntimeError("nothing in flight, no weights coming and no batch ready: the loop cannot go on")
 

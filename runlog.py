@@ -21,7 +21,8 @@ weights wrote / trained tokens), lag_mean and lag_max (over trained tokens,
 step version - the version that sampled the token), spanning_frac (trained answers whose
 tokens come from more than one version), loss_tokens, loss_stale_token_frac,
 loss_lag_mean (the same over the tokens the loss saw: answers whose advantage is not
-0), truncated_frac, boxed_frac, gen_tok_per_s, gen_idle_s, discarded_tokens,
+0), truncated_frac, boxed_frac, gen_tok_per_s, gen_idle_s (nothing to write), gen_drain_s
+(drain: from the push's arrival to the last old answer's end), discarded_tokens,
 recomputed_tokens, preempted, sync_s (the push, from the end of the optimizer step to
 weights loaded; in train.py to every engine joined and the tensors sent off, and
 sync_wait_s: what the next optimizer step waited for them to arrive), trainer_wait_s
@@ -128,6 +129,7 @@ def step_line(m):
             else ""
         )
         + f" | {m['gen_tok_per_s']:.0f} tok/s | sync {m['sync_s']:.2f}s | idle {m['gen_idle_s']:.2f}s"
+        + (f" drain {m['gen_drain_s']:.2f}s" if m.get("gen_drain_s") else "")
         + f" | wait {m['trainer_wait_s']:.2f}s"
     )
 

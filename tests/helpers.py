@@ -374,6 +374,7 @@ METRIC_KEYS = {
     "sync_s",
     "trainer_wait_s",
     "gen_idle_s",
+    "gen_drain_s",
     "discarded_tokens",
     "recomputed_tokens",
     "ess",

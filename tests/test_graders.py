@@ -117,7 +117,9 @@ def may_admit(**kw):
 
 def test_max_lag_admission_bound_by_hand():
     """Budget 10 + (3 - 1 + 1 + 1) x 2 + 1 = 19 groups: group 18 may start, 19 may not;
-    each term moves it (resumed versions, start group, max_lag + 1, the rejected)."""
+    each term moves it (resumed versions, start group, max_lag + 1, the rejected). The
+    rejected term was once missing: counted as admitted, rejected groups let PACE reject
+    once and never again (after one burst the pool could not exceed its target)."""
     assert may_admit() and not may_admit(next_group=19)
     assert may_admit(next_group=19, rejected=2) and not may_admit(next_group=18, rejected=0)
     assert may_admit(next_group=16, start_group=8) and not may_admit(next_group=17, start_group=8)  # budget 17

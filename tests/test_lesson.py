@@ -20,6 +20,7 @@ import torch
 
 import lesson
 from helpers import ROOT, graph
+from runlog import activity_spans
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
@@ -96,6 +97,16 @@ def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
         for seg in x["segments"]:
             kv = [p for p in x["prefills"] if p[0] <= seg[0]][-1]  # the (re)fill the segment's steps read
             assert seg[4] == (seg[2] > kv[2])
+    # the generator's time counted one way, in the metrics as on the timeline: idle (nothing
+    # to write) and draining are separate, each step's share between the last load and its own
+    events, end = read(a, "events.jsonl"), metrics[-1]["wall_s"]
+    spans = [
+        (what, min(t1, end) - t0) for proc, what, t0, t1 in activity_spans(events) if proc != "trainer" and t0 < end
+    ]
+    for what, key in (("idle", "gen_idle_s"), ("draining", "gen_drain_s")):
+        on_timeline = sum(t for w, t in spans if w == what)
+        assert sum(m[key] for m in metrics) == pytest.approx(on_timeline, abs=1e-9), (what, regime)
+    assert any(m["gen_drain_s"] > 0 for m in metrics) == (regime == "drain")
     if regime in ("sync", "drain", "discard"):  # no answer spans two versions; nothing reads old KV
         assert stale == 0 and not spanning and not rebuilt
         assert (discarded > 0) == (regime == "discard")

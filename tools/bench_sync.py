@@ -16,9 +16,12 @@ ratio misses its target (or a push's memory its plan), so a regression shows whe
    engines' acknowledgement (Generator.settle); blocked = the push's return + that wait.
    Also printed: the push waited for at once (push + settle, nothing between: transfer
    and load end to end) and the forward/backward's own time. Medians of --rounds, the
-   kinds alternating 1 s apart so that all meet the same machine. And the generator's
-   resident memory over the pushes: its peak above where it stood after the warm-up push
-   (against preflight.engine_plan, which a push must stay within), and what each keeps.
+   kinds alternating 1 s apart so that all meet the same machine. And the memory a push
+   holds in the generator's process, sampled there every 1 ms (heap_probed_generator): on
+   CPU the bytes malloc has handed out and not had back (glibc's mallinfo2), on a GPU
+   torch's allocated CUDA memory; each push's peak above where it stood before it, against
+   preflight.engine_plan, which a push must stay within. The process's resident memory is
+   printed beside it, not checked: it is where glibc's heap happens to stand (RESULTS.md).
 2. generation: generator_process.py's step loop (one engine.step() at a time, per-token
    bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
 3. provenance (--only provenance): the step loop with the per-answer record
@@ -61,13 +64,82 @@ def raw_receiver(host, port, backend, specs, rounds):
             group.broadcast(t, root=0).wait()
 
 
+class MallInfo2:
+    """glibc's mallinfo2(), through ctypes (glibc >= 2.33)."""
+
+    def __init__(self):
+        import ctypes
+
+        class Fields(ctypes.Structure):
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+            ]
+
+        self.call = ctypes.CDLL("libc.so.6").mallinfo2
+        self.call.restype = Fields
+
+    def live(self):
+        """Bytes malloc has handed out and not had back: in its arenas (uordblks) and in
+        chunks mapped for themselves (hblkhd). Unlike the resident memory, not moved by
+        what glibc keeps of a freed heap or hands back (malloc_trim)."""
+        m = self.call()
+        return m.uordblks + m.hblkhd
+
+
+def heap_probed_generator(cfg, samples_q, control_q, joined):
+    """generator_process.generator_main, with the vLLM worker's receive_weights wrapped:
+    a thread samples the process's live memory every 1 ms from its start until it returns
+    (the last module loaded), and the push's (before, peak, after) in bytes is appended to
+    cfg["heap_log"], one JSON line per push. On CPU, live = MallInfo2.live(): the received
+    buffers, vLLM's rebuilt layers and oneDNN's packings all come from malloc, and oneDNN
+    packs with the GIL released, so the thread sees each packing's peak (a native sampler
+    every 0.2 ms found the same peaks to 0.1 MiB); on a GPU, torch's CUDA memory allocated
+    and its peak."""
+    import json
+    import threading
+    import generator_process
+
+    receive = generator_process.WeightReceiver.receive_weights
+
+    def receive_weights(self, version, specs, ahead_bytes):
+        import torch
+
+        on_gpu = str(self.device).startswith("cuda")
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        live = torch.cuda.memory_allocated if on_gpu else MallInfo2().live
+        before, peak, done = live(), [0], threading.Event()
+
+        def watch():
+            while not done.is_set():
+                peak[0] = max(peak[0], live())
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            return receive(self, version, specs, ahead_bytes)
+        finally:
+            done.set()
+            watcher.join()
+            peak[0] = max(peak[0], live(), torch.cuda.max_memory_allocated() if on_gpu else 0)
+            with open(cfg["heap_log"], "a") as f:
+                f.write(json.dumps(dict(version=version, before=before, peak=peak[0], after=live())) + "\n")
+
+    generator_process.WeightReceiver.receive_weights = receive_weights
+    generator_process.generator_main(cfg, samples_q, control_q, joined)
+
+
 def bench_sync(args):
     import socket
     import threading
+    import json
     import psutil
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
+    import generator_process
     from generator_process import GeneratorHandle, init_weight_group, spawn_with_env
     from ranks import weight_specs
     from preflight import engine_plan
@@ -116,6 +188,10 @@ def bench_sync(args):
         ]
     )  # admits nothing: idle engine
     cfg["push_ahead_bytes"] = args.push_ahead_mib * 2**20  # not a train.py flag: preflight.PUSH_AHEAD_BYTES there
+    cfg["heap_log"] = os.path.abspath(os.path.join(cfg["out"], "push-heap.jsonl"))  # heap_probed_generator's
+    os.makedirs(cfg["out"], exist_ok=True)
+    if os.path.exists(cfg["heap_log"]):
+        os.remove(cfg["heap_log"])
     (env,) = prepare(cfg)
     device = cfg["trainer_device"]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -147,10 +223,26 @@ def bench_sync(args):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    gen = GeneratorHandle(cfg, [env])
+    generator_main = generator_process.generator_main
+    generator_process.generator_main = heap_probed_generator  # what GeneratorHandle spawns, for this run
+    try:
+        gen = GeneratorHandle(cfg, [env])
+    finally:
+        generator_process.generator_main = generator_main
     engine = psutil.Process(gen.procs[0].pid)  # the generator process: its vLLM worker runs in it
     memory = []  # per push: (resident peak - resident before, resident 1 s after - before), bytes
-    highest = [0]
+    heap = []  # per push: heap_probed_generator's line
+
+    def heap_line():
+        """The generator's line for the push just settled (written once its last module is loaded)."""
+        for _ in range(600):
+            if os.path.exists(cfg["heap_log"]):
+                with open(cfg["heap_log"]) as f:
+                    lines = f.readlines()
+                if len(lines) > len(heap) and lines[len(heap)].endswith("\n"):
+                    return json.loads(lines[len(heap)])
+            time.sleep(0.1)
+        raise RuntimeError(f"the generator wrote no live-memory line for push {len(heap) + 1} to {cfg['heap_log']}")
 
     ids = torch.randint(0, model.config.vocab_size, (1, args.step_tokens), device=device)
     step_s = []  # each overlapped push's forward and backward
@@ -183,16 +275,11 @@ def bench_sync(args):
         done.set()
         watcher.join()
         memory.append((peak[0] - before, engine.memory_info().rss - before))
-        highest[0] = max(highest[0], peak[0])
+        heap.append(heap_line())
         return took
 
-    first = engine.memory_info().rss
     watched_push()  # warm-up, both
     raw_broadcast()
-    # vLLM's first reload of an engine keeps memory whatever the receiver does (+309 MiB for
-    # this model, fed tensor by tensor with nothing ahead, in one process): a push's memory is
-    # measured above where the engine stands after it
-    start, highest[0] = engine.memory_info().rss, 0
     push, raw, whole = [], [], []
     for _ in range(args.rounds):  # alternate, so all meet the same machine; both receivers idle between
         push.append(watched_push())
@@ -205,20 +292,28 @@ def bench_sync(args):
     del step_s[0]  # the warm-up's
     gen.stop()
     proc.join()
-    mib = lambda b: f"{b / 2**20:+.0f} MiB"
+    mib = lambda b: f"{b / 2**20:+.1f} MiB"
+    peaks, kept = [h["peak"] - h["before"] for h in heap], [h["after"] - h["before"] for h in heap]
+    kind = "CUDA, torch" if cfg["gen_devices"][0].startswith("cuda") else "malloc, mallinfo2"
     print(
-        f"  generator resident memory: first push peak {mib(memory[0][0])}, kept {mib(memory[0][1])}; later pushes "
-        f"peak {mib(median_high(m[0] for m in memory[1:]))}, kept {mib(median_high(m[1] for m in memory[1:]))} "
-        f"(medians)"
+        f"  generator live memory ({kind}): "
+        f"{heap[0]['before'] / 2**20:.0f} MiB before the first push; each push's peak above its start "
+        f"{' '.join(f'{p / 2**20:.1f}' for p in peaks)} MiB; each kept {mib(median_high(kept))} (median), "
+        f"{mib(heap[-1]['after'] - heap[0]['before'])} over all {len(heap)}"
     )
-    # glibc keeps the heap a push grew, and later pushes allocate from it: the highest resident
-    # memory over the measured pushes, above where it stood before them, is what a push needs
-    extra = max(0, highest[0] - start)
+    # the resident memory is glibc's heap: a push's freed buffers stay in it, and the next push
+    # reuses them or not (112 vs 182 MiB above the engine after its first push in two identical
+    # runs; +233 per push once malloc_trim handed them back after each), so it is not checked
     print(
-        f"push memory ({args.rounds} pushes, {args.push_ahead_mib} MiB ahead): peak {extra / 2**20:.0f} MiB above "
-        f"the engine after its first push (which kept {(start - first) / 2**20:+.0f} MiB) vs the plan's "
-        f"{plan / 2**20:.0f} MiB (preflight.engine_plan) and the model's {n_bytes / 2**20:.0f} MiB "
-        f"-> {extra / n_bytes:.2f}x the model"
+        f"  generator resident memory (glibc's heap, not checked): first push peak {mib(memory[0][0])}, kept "
+        f"{mib(memory[0][1])}; later pushes peak {mib(median_high(m[0] for m in memory[1:]))}, kept "
+        f"{mib(median_high(m[1] for m in memory[1:]))} (medians)"
+    )
+    extra = max(peaks)  # every push, the warm-up's included: the first reload holds no more live memory
+    print(
+        f"push memory ({len(heap)} pushes, {args.push_ahead_mib} MiB ahead): live peak {extra / 2**20:.1f} MiB above "
+        f"the engine before the push vs the plan's {plan / 2**20:.1f} MiB (preflight.engine_plan) and the model's "
+        f"{n_bytes / 2**20:.0f} MiB -> {extra / n_bytes:.2f}x the model"
     )
     push_s, raw_s, whole_s = median_high(push), median_high(raw), median_high(whole)
     rounds = lambda xs: " ".join(f"{x:.3f}" for x in xs)

@@ -124,6 +124,7 @@ def head_size(config):
 # (engine_plan). See generator_process.WeightReceiver.receive_weights. Here, with the plan, so that
 # the plan's readers (lesson.py among them) need not import the generator process.
 PUSH_AHEAD_BYTES = 64 * 2**20
+PUSH_SMALL_BYTES = 2**20  # what a push holds besides modules and the run-ahead (measured ~0.5 MiB: engine_plan)
 # The trainer's side: a push posts its broadcasts without waiting for them (the next step's
 # forward and backward go on meanwhile), holding what it sent until it has gone out, at most
 # this many bytes (generator_process.send_weights): all of Qwen3-0.6B in bf16; a larger model waits
@@ -142,13 +143,15 @@ def engine_plan(config, dtype_bytes=2, ahead_bytes=PUSH_AHEAD_BYTES, on_cpu=Fals
     and the layer built from them): the embedding (or lm_head), q+k+v (one fused module
     in vLLM) or gate+up; plus the run-ahead. On CPU a third: vLLM packs each rebuilt linear
     weight for oneDNN (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py)
-    while the old packing is still held (bench_sync, 192 MiB model, 64 MiB ahead: 98 MiB
-    at the peak, where two modules and the run-ahead are 88). (Before issue 36: a whole
-    second copy of the model, kept.)"""
+    while the old packing is still held. Plus PUSH_SMALL_BYTES: oneDNN's scratch while it
+    packs, and small received tensors vLLM's loader still references. Measured as the
+    generator's live heap on CPU (bench_sync; RESULTS.md, "Posted sends"): 192 MiB model,
+    gate+up 12 MiB, every push's peak 36.5 / 46.3 / 94.3 MiB with 0 / 16 / 64 MiB ahead,
+    against this plan's 37 / 53 / 101. (Before issue 36: a whole second copy of the model.)"""
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = head_size(config)
     qkv = H * head_dim * (config.num_attention_heads + 2 * config.num_key_value_heads)
-    return (3 if on_cpu else 2) * max(V * H, qkv, 2 * I * H) * dtype_bytes + ahead_bytes
+    return (3 if on_cpu else 2) * max(V * H, qkv, 2 * I * H) * dtype_bytes + ahead_bytes + PUSH_SMALL_BYTES
 
 
 def check_memory_plan(cfg, logit_chunk_bytes, world=1):

@@ -3,7 +3,7 @@ The course's experiments (docs/course.md), each a few runs of lesson.py on its s
 clock, and their tables. The numbers are the same on every machine, up to its floating
 point: a second run of this command prints the same tables.
 
-    .venv/bin/python tools/course.py                      # every experiment (~30 min on 2 cores, estimated; RESULTS.md)
+    .venv/bin/python tools/course.py                      # every experiment (40 min alone on 2 cores; RESULTS.md)
     .venv/bin/python tools/course.py regimes max_lag      # some of them
     .venv/bin/python tools/course.py --table-only         # the tables from the runs on disk
 

@@ -313,7 +313,7 @@ class Generator:
         self.skip = set(skip_groups)  # groups after it already consumed or rejected (resume)
         self.rejected = 0  # groups the trainer's pool rejected since this generator started (may_admit)
         self.stats = dict(
-            gen_tokens=0, gen_idle_s=0.0, drain_s=0.0, discarded_tokens=0, recomputed_tokens=0, loads=0, preempted=0
+            gen_tokens=0, gen_idle_s=0.0, gen_drain_s=0.0, discarded_tokens=0, recomputed_tokens=0, loads=0, preempted=0
         )
         self.stats.update(start_stats or {})  # resume: the run's counters at its checkpoint
         # requests in the engine at once (training + eval): at most what its KV cache holds

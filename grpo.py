@@ -442,7 +442,7 @@ def generator_metrics(stats, prev, seconds):
     return dict(
         gen_tok_per_s=(stats["gen_tokens"] - prev["gen_tokens"]) / seconds,
         gen_idle_s=stats["gen_idle_s"] - prev["gen_idle_s"],
-        gen_drain_s=stats.get("drain_s", 0.0) - prev.get("drain_s", 0.0),  # (a checkpoint from before it has none)
+        gen_drain_s=stats.get("gen_drain_s", 0.0) - prev.get("gen_drain_s", 0.0),  # none in older checkpoints
         **{k: stats[k] - prev[k] for k in ("discarded_tokens", "recomputed_tokens", "preempted")},
     )  # preempted: kept at 0 (engine.kv_capacity)
 

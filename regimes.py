@@ -51,8 +51,8 @@ class Drain:
     during the drain were sampled by v alone, up to --max-lag versions behind the
     trainer when it takes them (lag, not stale KV). Cost: while
     draining, the batch shrinks as answers finish and the freed slots stay empty
-    until the longest answer is done. That time is counted once, as draining: drain_s
-    (gen_drain_s per step), "draining" on the timeline; not as idle, which is time with
+    until the longest answer is done. That time is counted once, as draining: gen_drain_s
+    (per step in metrics.jsonl), "draining" on the timeline; not as idle, which is time with
     nothing to write. The trainer's push blocks meanwhile (sync_s)."""
 
     def __init__(self):
@@ -66,7 +66,7 @@ class Drain:
             return False
         if self.drain_start is not None:
             waited = gen.clock.now() - self.drain_start
-            gen.stats["drain_s"] = gen.stats.get("drain_s", 0.0) + waited
+            gen.stats["gen_drain_s"] += waited
             self.drain_start = None
         gen.load_weights(version, weights)
         gen.admitting = True

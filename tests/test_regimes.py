@@ -56,7 +56,7 @@ def test_discard_restarts_under_new_weights():
 def test_drain_finishes_under_old_weights():
     samples, old, new, stats = run_with_switch("drain", n=36)  # the drain ends after all 32 of v0
     no_answer_spans_versions(samples, old, new)
-    assert stats.get("drain_s", 0) > 0, "nothing was in flight at the switch"
+    assert stats.get("gen_drain_s", 0) > 0, "nothing was in flight at the switch"
 
 
 def test_sync_is_on_policy():

@@ -49,6 +49,28 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
     )
 
 
+CHECK_CHUNK = 2**16  # elements a checksum reads at once: its int64 temporary stays at 512 KiB
+CHECK_MOD = 2**40  # each tensor's sums are kept mod this, so an acknowledgement's sum never overflows int64
+
+
+def checksum(t):
+    """Two integers that change whenever a bit of `t` changes (unless changes cancel out
+    exactly): the sums of its elements' bit patterns read as integers, over all of them and
+    over every other one, each mod CHECK_MOD, as an int64 tensor on t's device. The same on
+    both sides of a push, whatever the device: integer sums are exact and do not depend on
+    their order. send_weights and WeightReceiver.receive_weights add them up per push."""
+    import torch
+
+    bits = (
+        t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    )
+    total = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for a in range(0, len(bits), CHECK_CHUNK):  # CHECK_CHUNK is even: chunk[1::2] are t's odd elements
+        chunk = bits[a : a + CHECK_CHUNK]
+        total += torch.stack([chunk.sum(dtype=torch.int64), chunk[1::2].sum(dtype=torch.int64)])
+    return total % CHECK_MOD
+
+
 def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
     """Once every engine has joined the push (an allreduce: it completes when the last
     one arrives), post a broadcast of every tensor from rank 0 and the acknowledgement
@@ -57,14 +79,17 @@ def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
     (gloo) or stream (NCCL) while the trainer goes on. A tensor posted is held until it
     has gone out: past `budget` bytes in flight (PUSH_SEND_BYTES; preflight.memory_plan),
     the trainer waits for the oldest. Returns (done, finish): done() says whether the ack
-    is in, finish() waits for it and returns it. Every tensor sent must stay unchanged
-    until then: with one trainer rank and the generator's dtype they are the parameters
-    themselves, which the next optimizer step overwrites."""
+    is in, finish() waits for it and returns (the ack: the versions and the checksums of
+    what arrived, summed over the engines; the checksum of what was sent, as it was when
+    it was posted). Every tensor sent must stay unchanged until then: with one trainer
+    rank and the generator's dtype they are the parameters themselves, which the next
+    optimizer step overwrites; a change that went out shows as checksums that differ."""
     import collections
     import torch
 
     group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # WeightReceiver: "all here"
     works, held = collections.deque(), 0  # (bytes, work) in flight; their bytes
+    sent = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor, added up
     for t in tensors:
         t = t.to(device).contiguous()
         size = t.numel() * t.element_size()
@@ -72,15 +97,16 @@ def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
             n, work = works.popleft()
             work.wait()
             held -= n
+        sent += checksum(t)
         works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
         held += size
-    ack = torch.zeros((), dtype=torch.int64, device=device)
+    ack = torch.zeros(3, dtype=torch.int64, device=device)  # each engine adds its version and checksums
     works.append((0, group.allreduce(ack)))
 
     def finish():
         for _, work in works:
             work.wait()
-        return ack.item()
+        return ack.tolist(), sent.tolist()
 
     return works[-1][1].is_completed, finish
 
@@ -113,8 +139,9 @@ class WeightReceiver:
         """Join the push, then receive every tensor into a buffer of its own, the broadcasts
         posted ahead of what vLLM's loader has taken by at most `ahead_bytes`, so that the
         transfer goes on (on the process group's own threads, or NCCL's stream) while the
-        loader loads. The trainer is released (the ack) once the last tensor has arrived,
-        not once it is loaded. No engine step runs before this returns, so nothing samples
+        loader loads. The trainer is released (the ack: the version, and the checksum of every
+        tensor that arrived, which the trainer holds against what it sent) once the last tensor
+        has arrived, not once it is loaded. No engine step runs before this returns, so nothing samples
         from a half-loaded model; a push that breaks halfway raises here, and the generator
         process ends. Returns, with several engines, the time every engine had joined
         (before that, this one was waiting for the others to finish draining: idle, not
@@ -140,6 +167,7 @@ class WeightReceiver:
         # shrank. The group's own threads need no GIL.
         posted = collections.deque()  # (name, buffer, the broadcast's work), in send order
         ahead, done, ack = 0, 0, []  # bytes posted and not taken; tensors taken; the ack's work
+        got = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor that arrived
 
         def received():  # what vLLM's loader iterates over
             nonlocal ahead
@@ -170,8 +198,10 @@ class WeightReceiver:
                 torch.cuda.current_stream().synchronize()  # (and the loads queued before), so `ahead` is true
             ahead -= t.numel() * t.element_size()
             done += 1
+            got.add_(checksum(t))  # what arrived, before vLLM's loader takes it
             if done == len(specs):  # every byte is here: release the trainer before the last load
-                ack.append(group.allreduce(torch.tensor(version, dtype=torch.int64, device=device)))
+                mine = torch.cat([torch.tensor([version], dtype=torch.int64, device=device), got])
+                ack.append(group.allreduce(mine))
             return name, t
 
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
@@ -182,6 +212,80 @@ class WeightReceiver:
             raise RuntimeError(f"vLLM loaded {done} of the {len(specs)} tensors of v{version}; this engine stops")
         ack[0].wait()
         return joined
+
+
+# -----------------------------------------------------------------------------
+# the Generator as the process runs it
+
+
+class ProcessGenerator(Generator):
+    """engine.Generator with what the generator process adds and lesson.py does not have:
+    engine `engine_id` of `engines` (engine i writes the groups g = i mod engines); a resumed
+    run (start_version, start_group: the data position; skip_groups: groups after it already
+    consumed or rejected; start_stats: its counters); the groups the trainer's pool rejected
+    (`rejected`, set from each push), which leave their places to new ones; `queue_size`,
+    the finished answers it may hold before it stops admitting (the queue's back-pressure)."""
+
+    def __init__(
+        self,
+        cfg,
+        engine,
+        problems,
+        tokenizer,
+        outbox,
+        receive,
+        *,
+        engine_id=0,
+        engines=1,
+        start_version=0,
+        start_group=0,
+        skip_groups=(),
+        start_stats=None,
+        queue_size=float("inf"),
+    ):
+        super().__init__(cfg, engine, problems, tokenizer, outbox, receive=receive)
+        self.engine_id, self.engines, self.queue_size = engine_id, engines, queue_size
+        self.proc = lane(engine_id, engines)
+        self.version = self.start_version = start_version  # > 0 when resuming
+        self.start_group = start_group
+        self.next_group = start_group + (engine_id - start_group) % engines
+        self.skip = set(skip_groups)
+        self.rejected = 0  # groups the trainer's pool rejected since this generator started
+        self.stats.update(start_stats or {})  # resume: the run's counters at its checkpoint
+
+    def may_admit(self):
+        """Generator.may_admit's bound, with versions counted from start_version and groups
+        from start_group (a resumed run), and a group the pool rejected leaving its place to a
+        new one, so that a generator faster than the trainer keeps the pool above PACE's
+        target; and only while the queue has room for what is finished (queue_size)."""
+        versions = self.version - self.start_version + self.cfg["max_lag"] + 1
+        budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
+        return (
+            self.admitting
+            and self.next_group < budget
+            and len(self.outbox) < self.queue_size
+            and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers
+        )
+
+    def admit(self):
+        """Engine i of N starts the groups i, i + N, ...; a group consumed or rejected before
+        the run was resumed is passed over."""
+        while self.may_admit():
+            g = self.next_group
+            self.next_group += self.engines
+            if g not in self.skip:
+                self.submit_group(g)
+
+    def load_weights(self, version, weights):
+        """Generator.load_weights; with several engines, the time this engine waited for the
+        others to join the push (they were draining) is idle, not loading."""
+        t0 = self.clock.now()
+        joined = self.receive(self.engine, version, weights)  # several engines: when the last one joined
+        if joined is not None and joined > t0:
+            self.set_activity("idle", t0)
+            self.stats["gen_idle_s"] += joined - t0
+            t0 = joined
+        self.loaded(version, t0)
 
 
 # -----------------------------------------------------------------------------
@@ -282,13 +386,13 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
         joined.value = version
         return receive_broadcast(engine, version, specs, cfg.get("push_ahead_bytes", PUSH_AHEAD_BYTES))
 
-    gen = Generator(
+    gen = ProcessGenerator(
         cfg,
         engine,
         problems,
         tokenizer,
         outbox,
-        receive=receive,
+        receive,
         engine_id=cfg["engine"],
         engines=cfg["engines"],
         start_version=cfg["start_version"],
@@ -714,7 +818,7 @@ class GeneratorHandle:
         t0 = time.time()
         _, finish, watchdog = self.pending
         try:
-            held = finish()
+            (held, *arrived), sent = finish()
         except RuntimeError as e:
             self.push_broke(watchdog, e)
         finally:
@@ -723,6 +827,11 @@ class GeneratorHandle:
         if held != self.n * self.version:
             raise RuntimeError(
                 f"weight sync: the engines acknowledged versions summing to {held}, not {self.n} x v{self.version}"
+            )
+        if arrived != [self.n * x for x in sent]:  # every engine received every bit the trainer sent
+            raise RuntimeError(
+                f"weight sync: the weights that arrived for v{self.version} are not the ones sent (checksums "
+                f"{arrived} summed over {self.n} engine(s), sent {sent}): a tensor changed before it went out"
             )
         return time.time() - t0
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,11 +135,13 @@ LONG = (
 ENGINES = {}  # model -> the engine the tests share
 
 
-def generator(regime, *args):
-    """A Generator on the shared engine, its regime and its outbox, as lesson.py makes them."""
+def generator(regime, *args, process=False):
+    """A Generator on the shared engine, its regime and its outbox, as lesson.py makes them
+    (process: the generator process's ProcessGenerator, its receive set by the test)."""
     from transformers import AutoTokenizer
     from data import load_problems
     from engine import Generator, make_engine
+    from generator_process import ProcessGenerator
     from lesson import parse_config
     from regimes import make_regime
 
@@ -147,13 +150,14 @@ def generator(regime, *args):
     if cfg["model"] not in ENGINES:
         ENGINES[cfg["model"]] = make_engine(cfg)
     outbox = []
-    gen = Generator(
+    parts = (
         cfg,
         ENGINES[cfg["model"]],
         load_problems("synth", "train", n=64, steps="8"),
         AutoTokenizer.from_pretrained(cfg["model_path"]),
         outbox,
     )
+    gen = ProcessGenerator(*parts, receive=None) if process else Generator(*parts)
     return gen, regime, outbox, cfg
 
 
@@ -240,18 +244,26 @@ def check_sync_is_exact(model_args=(), tol=1e-3):
 
         # 2. the right push: the whole state_dict; twice (the receiver keeps nothing
         # between pushes: a second one must not depend on the first). The second as train.py
-        # pushes: posted without waiting, then settled, through a send budget far below the
-        # model (so the trainer waits for its oldest sends)
+        # pushes: posted without waiting, through a send budget far below the model (so the
+        # trainer waits for its oldest sends), while the next step (train.optimize) runs its
+        # forward and backward on the very tensors in flight, settles, and then moves them
+        # with an AdamW step. settle() held the checksums of what arrived against what was
+        # sent, bit for bit; the answers must come from the weights as they were pushed.
         for version in (2, 3):
             model.load_state_dict(perturbed(model, seed=version))
             if version == 2:
                 assert gen.push(model.state_dict()) == version
+                batch = collect(gen, 4)
             else:
+                pushed = {k: v.clone() for k, v in model.state_dict().items()}
                 gen.send_budget = 64 * 2**10
                 assert gen.push(model.state_dict(), wait=False) == version
-                gen.settle()
+                overlap_a_step(cfg, model, batch, settle=gen.settle)
                 assert not gen.pushing()
-            for s in collect(gen, 4):
+                assert any(not torch.equal(v, pushed[k]) for k, v in model.state_dict().items()), "no weight moved"
+                model.load_state_dict(pushed)  # what the engine must hold
+                batch = collect(gen, 4)
+            for s in batch:
                 prompt = s["prompt_ids"].tolist()
                 greedy = model.generate(
                     torch.tensor([prompt]), do_sample=False, max_new_tokens=48, pad_token_id=eos, eos_token_id=eos
@@ -260,8 +272,35 @@ def check_sync_is_exact(model_args=(), tol=1e-3):
                 ref = hf_logprobs(model, prompt, s["token_ids"].tolist())
                 assert (ref - s["logprobs"]).abs().max() < tol
                 assert s["versions"].tolist() == [version] * len(greedy)
+
+        # 3. the check can fail: what the trainer says it sent (its checksum) is not what
+        # arrived, as when a tensor changes after it was posted and before it went out
+        import generator_process
+
+        real = generator_process.checksum
+        generator_process.checksum = lambda t: real(t) + 1
+        try:
+            gen.push(model.state_dict(), wait=False)
+        finally:
+            generator_process.checksum = real
+        with pytest.raises(RuntimeError, match="are not the ones sent"):
+            gen.settle()
     finally:
         gen.stop()
+
+
+def overlap_a_step(cfg, model, batch, settle):
+    """train.py's next step while a push is in flight: train.optimize on `batch` (its
+    forward and backward, then settle(), then an AdamW step at a learning rate that moves
+    every weight), as train.py's loop calls it."""
+    import train
+    from grpo import token_weights
+    from ranks import Ranks
+
+    adv = torch.tensor([1.0, -1.0] * (len(batch) // 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    step_cfg = dict(cfg, lr=1e-2, warmup_steps=0, lr_schedule="constant", temperature=1.0)
+    train.optimize(step_cfg, model, opt, Ranks(), 1, [(batch, adv, token_weights(step_cfg, batch), 0)], "cpu", settle)
 
 
 def check_stale_reads_old_kv(model_args=(), tol=1e-3, n=32):

@@ -57,6 +57,44 @@ def test_killed_generator_is_noticed_fast():
     assert not gen.procs[0].is_alive()
 
 
+@pytest.mark.fast
+def test_process_admission_bound_by_hand():
+    """ProcessGenerator.may_admit, the generator process's bound: version 3 of a run resumed
+    at version 1 whose groups started at 10, max_lag 1, 2 groups a step, 1 group rejected by
+    the pool: budget 10 + (3 - 1 + 1 + 1) x 2 + 1 = 19, so group 18 may start, 19 may not;
+    each term moves it. (The rejected term was once missing: counted as admitted, rejected
+    groups let PACE reject once and never again.) And only while the queue holds fewer than
+    queue_size finished answers."""
+    from generator_process import ProcessGenerator
+
+    def may_admit(**kw):
+        gen = ProcessGenerator.__new__(ProcessGenerator)
+        gen.__dict__.update(
+            version=3,
+            start_version=1,
+            start_group=10,
+            rejected=1,
+            admitting=True,
+            next_group=18,
+            outbox=[],
+            inflight={},
+            kv_answers=8,
+            queue_size=2,
+            cfg=dict(max_lag=1, prompts_per_step=2, group_size=4),
+        )
+        gen.__dict__.update(kw)
+        return gen.may_admit()
+
+    assert may_admit() and not may_admit(next_group=19)
+    assert may_admit(next_group=19, rejected=2) and not may_admit(next_group=18, rejected=0)
+    assert may_admit(next_group=16, start_group=8) and not may_admit(next_group=17, start_group=8)  # budget 17
+    assert may_admit(next_group=20, version=4) and not may_admit(next_group=21, version=4)  # budget 21
+    assert may_admit(next_group=16, start_version=2) and not may_admit(next_group=17, start_version=2)
+    assert may_admit(outbox=[0]) and not may_admit(outbox=[0, 1])
+    assert may_admit(inflight=dict.fromkeys(range(4))) and not may_admit(inflight=dict.fromkeys(range(5)))
+    assert not may_admit(admitting=False)
+
+
 def test_engine_settings_and_no_preemption():
     """make_engine's engine reports async scheduling off. With a KV cache of 5 blocks
     of 128 tokens (one is vLLM's null block: 2 answers of --max-model-len 256), the Generator keeps at most 2

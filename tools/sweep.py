@@ -12,6 +12,7 @@ steps per minute, stale tokens, lag, and where each process's time went.
                                         # (10 PACE runs, ~5 min each, ~2.8 on the faster machine)
     python tools/sweep.py long --table-only   # run nothing, write the tables and figures of what finished
     python tools/sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
+    python tools/sweep.py default --regimes sync recompute --tree ../old --out out/old   # another commit's train.py
 
 Runs go to <out>/<preset>/<regime>-<pool>-s<seed> (+ .log), <out> = out/sweep, one
 at a time, seed by seed (a sweep cut short still has every regime at the first
@@ -394,6 +395,11 @@ def analysis(rows, target):
     claims += [
         ("final pass@1: stale - recompute", ("stale", "fifo"), ("recompute", "fifo"), lambda r: r["acc1"], "{:+.3f}")
     ]
+    # does the main job still learn as sync does? (RESULTS.md, "Does it learn?": every regime against sync)
+    claims += [
+        (f"final pass@1: {x} - sync", (x, "fifo"), ("sync", "fifo"), lambda r: r["acc1"], "{:+.3f}")
+        for x in REGIMES[1:]
+    ]
     claims += [
         (
             f"pass@1 at {t_eq:.0f} s: {x} - drain",
@@ -653,6 +659,11 @@ def main():
     p.add_argument("--target", type=float, default=None, help="target eval accuracy (default: TARGETS[preset])")
     p.add_argument("--out", default="out/sweep", help="parent directory of the presets' run directories")
     p.add_argument("--table-only", action="store_true", help="run nothing, write the tables of finished runs")
+    p.add_argument(
+        "--tree",
+        default=ROOT,
+        help="the checkout whose train.py runs (another commit, for a before/after: `git worktree add DIR COMMIT`)",
+    )
     args = p.parse_args(argv)
     args.seeds = args.seeds or ([0, 1, 2, 3, 4] if args.preset == "long" else [0, 1, 2])
     targets = dict(TARGETS, **({args.preset: args.target} if args.target is not None else {}))
@@ -678,7 +689,7 @@ def main():
         os.makedirs(os.path.dirname(run), exist_ok=True)
         cmd = [
             sys.executable,
-            os.path.join(ROOT, "train.py"),
+            os.path.join(args.tree, "train.py"),
             "--regime",
             regime,
             "--pool",

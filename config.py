@@ -192,7 +192,8 @@ def add_flags(p, program):
         "--loss",
         default="tis",
         choices=list(LOSSES),
-        help="off-policy correction (grpo.LOSSES): none (mu ignored), tis, ppo (decoupled), icepop, geo, cispo, gspo",
+        help="off-policy correction (grpo.LOSSES): none (mu ignored), tis, ppo (decoupled), icepop, geo, cispo, gspo, "
+        "m2po",
     )
     p.add_argument(
         "--minibatches",
@@ -203,10 +204,10 @@ def add_flags(p, program):
     )
     p.add_argument(
         "--loss-agg",
-        default="token",
+        default=None,
         choices=["token", "answer", "constant"],
         help="how the loss averages over tokens (token_weights): every token alike, every answer alike, "
-        "or a constant normaliser",
+        "or a constant normaliser (default: answer for --loss gspo, as its paper averages; token for the others)",
     )
     p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss none, ppo, icepop, geo")
@@ -222,6 +223,12 @@ def add_flags(p, program):
     p.add_argument("--cispo-eps-high", type=float, default=4.0, help="--loss cispo: weight <= 1 + this")
     p.add_argument("--gspo-eps-low", type=float, default=3e-4, help="--loss gspo: sequence ratio clip below 1")
     p.add_argument("--gspo-eps-high", type=float, default=4e-4, help="--loss gspo: sequence ratio clip above 1")
+    p.add_argument(
+        "--m2po-tau",
+        type=float,
+        default=0.04,
+        help="--loss m2po: the largest (log pi_old/mu)^2 are masked until the rest's mean is below this",
+    )
     p.add_argument(
         "--max-lag",
         type=int,
@@ -261,6 +268,7 @@ RUN_NAMES = {
 # the settings whose default follows from others (fill; --help prints what each comes to)
 DERIVED = {
     "max_num_seqs": lambda s: max(64, 2 * s["prompts_per_step"] * s["group_size"]),
+    "loss_agg": lambda s: "answer" if s.get("loss") == "gspo" else "token",  # GSPO's paper: each answer alike
     "pace_target": lambda s: default_target(s["prompts_per_step"]),
 }
 

@@ -159,6 +159,13 @@ def run_tokens(cfg, batch, adv):
     return sum(len(mb) * max(length(run[i]) for i in mb) for mb in micro_batches(run, cfg["micro_batch_tokens"]))
 
 
+def needs_pi_old(cfg):
+    """Whether a step first computes pi_old (old_logprobs), before any weight moves: with several
+    optimizer steps per batch (--minibatches), and for m2po, whose mask is decided over all of a
+    step's tokens before any of them trains (loss_settings)."""
+    return cfg.get("minibatches", 1) > 1 or cfg["loss"] == "m2po"
+
+
 def minibatches(n, k):
     """The batch's n answers (whole groups, in order) cut into k parts, one optimizer step each."""
     return [list(range(n * j // k, n * (j + 1) // k)) for j in range(k)]
@@ -291,10 +298,11 @@ def loss_none(cfg, logp, old, mu, adv, answer):
 
 
 def loss_tis(cfg, logp, old, mu, adv, answer):
-    """Token-level truncated importance sampling (PipelineRL; Yao et al., "Your efficient
-    RL framework secretly brings you off-policy RL training", 2025): w = min(pi/mu, C),
-    detached, C = --is-cap; loss -w A log pi. A token the engine found much less likely
-    than the trainer does counts at most C times."""
+    """Token-level truncated importance sampling, as PipelineRL weights a token: w = min(pi/mu,
+    C), detached, C = --is-cap; loss -w A log pi. A token the engine found much less likely
+    than the trainer does counts at most C times. (Yao et al., "Your efficient RL framework
+    secretly brings you off-policy RL training", 2025, truncate pi_old/mu and keep PPO's clip
+    on pi/pi_old: the same weight when a batch takes one optimizer step, pi_old = pi.)"""
     import torch
 
     ratio = torch.exp(logp.detach() - mu)
@@ -344,12 +352,66 @@ def loss_cispo(cfg, logp, old, mu, adv, answer):
     return -w * adv * logp, w != ratio
 
 
+def loss_m2po(cfg, logp, old, mu, adv, answer):
+    """M2PO (Zheng et al., "Prosperity before Collapse", arXiv 2510.01161): the importance weight
+    pi/mu unclipped, -(pi/mu) A, on every token but the outliers of the mismatch: the tokens whose
+    (log pi_old/mu)^2 is largest are masked until the mean of the rest over the step's trained
+    tokens, the second moment M2, is below --m2po-tau (0.04 as published). Decided before the step
+    over all its tokens, every micro-batch's and every rank's (loss_settings: cfg["m2po_cutoff"],
+    the largest value kept). As the paper writes it and AReaL implements the mask (its
+    gsm8k_m2po example trains the kept tokens with its decoupled PPO instead)."""
+    import torch
+
+    keep = m2po_moment(old, mu) <= cfg["m2po_cutoff"]
+    return -(keep * torch.exp(logp - mu) * adv), ~keep
+
+
+def m2po_moment(old, mu):
+    """(log pi_old - log mu)^2 per token: what M2PO's mask ranks by; one definition for the
+    cutoff (loss_settings) and the mask (loss_m2po), so that the two agree bit for bit."""
+    d = old - mu
+    return d * d
+
+
+def m2po_cutoff(m2, tau):
+    """M2PO's mask over a step's tokens, m2 (N,) their m2po_moment: the largest are masked, one
+    at a time, until the mean of those left is below tau. Returns the largest value kept
+    (tokens at or below it train; a token tied with it is kept too), inf if none is masked; at
+    least one token is kept, as in AReaL's _get_m2po_loss_mask."""
+    import torch
+
+    s = torch.sort(m2.double().flatten(), descending=True).values
+    if not len(s):
+        return float("inf")
+    rest_mean = s.flip(0).cumsum(0).flip(0) / torch.arange(len(s), 0, -1, dtype=torch.float64)  # mean of s[i:]
+    below = torch.nonzero(rest_mean < tau)
+    masked = int(below[0]) if len(below) else len(s) - 1  # how many of the largest go
+    return float("inf") if masked == 0 else s[masked].item()
+
+
+def loss_settings(cfg, batch, adv, gather=lambda x: [x]):
+    """The settings of one optimizer step's loss on `batch` (a rank's share of the step's part):
+    cfg itself, and for m2po the cutoff of its mask (m2po_cutoff) over the tokens the step trains
+    (answers whose advantage is not 0; pi_old from old_logprobs), every rank's: gather(x) returns
+    each rank's x (ranks.Ranks.gather). Answers with advantage 0 give no gradient, so their
+    tokens would only loosen the budget of the others: they are left out of M2."""
+    if cfg["loss"] != "m2po":
+        return cfg
+    import torch
+
+    mine = [m2po_moment(s["old_logprobs"], s["logprobs"].float()) for s, a in zip(batch, adv.tolist()) if a != 0]
+    every = [x for part in gather(torch.cat(mine) if mine else torch.zeros(0)) for x in part.tolist()]
+    return dict(cfg, m2po_cutoff=m2po_cutoff(torch.tensor(every, dtype=torch.float32), cfg["m2po_tau"]))
+
+
 def loss_gspo(cfg, logp, old, mu, adv, answer):
     """GSPO (Qwen, arXiv 2507.18071), its token form: one ratio per answer, s = exp(mean of
     log(pi/mu)) over its tokens, against the engine's mu (the paper's pi_old is the policy
     that sampled, and sequence likelihoods tolerate the engine's numerics), clipped to
     [1 - 3e-4, 1 + 4e-4] (--gspo-eps-low/high, as published); each token's gradient is
-    s A grad log pi (s_t = sg(s) pi/sg(pi))."""
+    s A grad log pi (s_t = sg(s) pi/sg(pi)). Averaged as the paper does, each answer's
+    token mean counting the same: --loss-agg answer, its default (config.DERIVED); with
+    --loss-agg token an answer's gradient is scaled by its length."""
     import torch
 
     s = answer_mean(logp.detach() - mu, answer).exp() * torch.exp(logp - logp.detach())
@@ -358,7 +420,14 @@ def loss_gspo(cfg, logp, old, mu, adv, answer):
 
 
 LOSSES = dict(
-    none=loss_none, tis=loss_tis, ppo=loss_ppo, icepop=loss_icepop, geo=loss_geo, cispo=loss_cispo, gspo=loss_gspo
+    none=loss_none,
+    tis=loss_tis,
+    ppo=loss_ppo,
+    icepop=loss_icepop,
+    geo=loss_geo,
+    cispo=loss_cispo,
+    gspo=loss_gspo,
+    m2po=loss_m2po,
 )
 
 

@@ -55,8 +55,10 @@ from reward import scored
 from grpo import (
     batch_metrics,
     generator_metrics,
+    loss_settings,
     lr_at,
     minibatches,
+    needs_pi_old,
     offpolicy_metrics,
     old_logprobs,
     optimizer_step,
@@ -143,7 +145,7 @@ def train_on(cfg, model, opt, tokenizer, step, batch, version):
     train.py takes the same steps, on each rank's share). Returns the step's metrics."""
     adv, scores = score_batch(cfg, tokenizer, batch, version)
     parts = minibatches(len(batch), cfg["minibatches"])
-    if len(parts) > 1:  # pi_old, before the first step moves the weights (a forward: a third of a step's work)
+    if needs_pi_old(cfg):  # pi_old, before the first step moves the weights (a forward: a third of a step's work)
         old_logprobs(cfg, model, batch, adv, "cpu")
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, step)
@@ -151,7 +153,8 @@ def train_on(cfg, model, opt, tokenizer, step, batch, version):
     for idx in parts:
         part = [batch[i] for i in idx]
         opt.zero_grad(set_to_none=True)
-        out = train_step(cfg, model, part, adv[idx], token_weights(cfg, part), "cpu")
+        step_cfg = loss_settings(cfg, part, adv[idx])  # m2po: its mask's cutoff over the part's tokens
+        out = train_step(step_cfg, model, part, adv[idx], token_weights(cfg, part), "cpu")
         out = (*out, optimizer_step(model, opt, out[0]))
         total = [a + b for a, b in zip(total, out)] if total else list(out)
     loss, gap, gap_tokens, *sums, grad_norm = total
@@ -163,7 +166,7 @@ def train_on(cfg, model, opt, tokenizer, step, batch, version):
         behaviour_gap=gap / max(1, gap_tokens),
         **offpolicy_metrics(sums),
         **batch_metrics(batch, adv, version),
-        run_tokens=cost + (run_tokens(cfg, batch, adv) / 3 if len(parts) > 1 else 0),
+        run_tokens=cost + (run_tokens(cfg, batch, adv) / 3 if needs_pi_old(cfg) else 0),
     )
 
 

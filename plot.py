@@ -388,6 +388,36 @@ def plot_curves(groups, out, title=""):
     return out
 
 
+def plot_frontier(blocks, etas, out):
+    """tools/frontier.py's figure: blocks {title: {loss: [(pass@1 per seed, steps/min per seed)
+    per eta]}}, one row per block: pass@1 at the block's equal time against --max-lag (a line per
+    loss, the mean; a band from the lowest to the highest seed) and steps/min against --max-lag
+    (AReaL's Fig. 5c). --max-lag 0 is sync."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(max(len(blocks), 1), 2, figsize=(11, 3.4 * max(len(blocks), 1)), squeeze=False)
+    x = np.arange(len(etas))  # evenly spaced: 0 1 2 4 8 16
+    for row, (title, losses) in zip(axes, blocks.items()):
+        for i, (loss, cells) in enumerate(losses.items()):
+            for ax, k in zip(row, (0, 1)):
+                ys = [np.array(cell[k], dtype=float) for cell in cells]
+                ax.plot(x, [y.mean() for y in ys], "o-", ms=3, color=f"C{i}", label=loss)
+                ax.fill_between(x, [y.min() for y in ys], [y.max() for y in ys], color=f"C{i}", alpha=0.15, lw=0)
+        for ax, name in zip(row, ("pass@1 at equal simulated time", "steps per simulated minute")):
+            ax.set_xticks(x, [str(e) if e else "0 (sync)" for e in etas])
+            ax.set_xlabel("--max-lag (eta)")
+            ax.set_title(f"{title}: {name}", fontsize=9)
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
 def seed_groups(runs):
     """Run directories grouped by name less a trailing -s<seed>: {label: [runs]}, in the order given."""
     import re

@@ -106,6 +106,21 @@ class Ranks:
                 m.set_force_sum_reduction_for_comms(True)  # factor alone would ask of NCCL)
         return model
 
+    def reshard(self, model):
+        """After forwards without autograd (grpo.old_logprobs' pi_old): FSDP2 keeps the root
+        module's parameters (embeddings, final norm, the tied lm_head) gathered after a forward,
+        for the backward it expects; after a step's backward, the next forward with autograd
+        then ran on them and gave wrong gradients (tests/test_ranks.py: m2po's step after
+        another's, 0.09 off where 1e-6 holds; every --minibatches step after a run's first).
+        Put them back into their shards."""
+        if self.world == 1:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def from_main(self, obj):
         """Rank 0's `obj` on every rank: what each rank decided alone before the ranks met
         (the default run directory names the second it was made in) becomes rank 0's."""
@@ -138,6 +153,16 @@ class Ranks:
         out = [None]
         dist.scatter_object_list(out, parts, src=0, group=self.objects)
         return out[0]
+
+    def gather(self, obj):
+        """Every rank's `obj`, in rank order, on every rank (one rank: [obj])."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.objects)
+        return out
 
     def sum(self, *values):
         """Floats summed over the ranks (the loss, logged on rank 0)."""

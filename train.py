@@ -39,9 +39,11 @@ from grpo import (
     activation_checkpointing,
     batch_metrics,
     generator_metrics,
+    loss_settings,
     lr_at,
     micro_batches,
     minibatches,
+    needs_pi_old,
     offpolicy_metrics,
     old_logprobs,
     optimizer_step,
@@ -309,19 +311,18 @@ def main(argv=None):
 def optimize(cfg, model, opt, ranks, step, parts, device, settle=lambda: None):
     """--minibatches optimizer steps, one per part of the batch: `parts` holds this rank's
     share of each (ranks.scatter: all of it with one rank), each answer's tokens weighted
-    by token_weights of the whole part. Several steps: pi_old first, before any weight
-    moves (grpo.old_logprobs). settle() is called before the first weight moves (rank 0:
+    by token_weights of the whole part. Several steps (and m2po): pi_old first, before any
+    weight moves (grpo.old_logprobs). settle() is called before the first weight moves (rank 0:
     the last push may still be reading them). Returns what the steps log, over all ranks."""
     model.train()
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, step)
-    if len(parts) > 1:
-        for share, adv, _, n_micro in parts:
-            old_logprobs(cfg, model, share, adv.to(device), device, n_micro)
+    pi_old(cfg, model, ranks, parts, device)
     total = None  # what the parts add up to: loss, |log pi - log mu|, its tokens, off-policy sums, grad norm
     for share, adv, weights, n_micro in parts:
         opt.zero_grad(set_to_none=True)
-        out = ranks.sum(*train_step(cfg, model, share, adv.to(device), weights.to(device), device, n_micro))
+        step_cfg = loss_settings(cfg, share, adv, ranks.gather)  # m2po: its mask's cutoff over every rank's tokens
+        out = ranks.sum(*train_step(step_cfg, model, share, adv.to(device), weights.to(device), device, n_micro))
         settle()
         out = (*out, optimizer_step(model, opt, out[0]))
         total = [a + b for a, b in zip(total, out)] if total else list(out)
@@ -332,6 +333,15 @@ def optimize(cfg, model, opt, ranks, step, parts, device, settle=lambda: None):
         behaviour_gap=gap / max(1, gap_tokens),
         **offpolicy_metrics(sums),
     )
+
+
+def pi_old(cfg, model, ranks, parts, device):
+    """Several steps per batch, or m2po: log pi_old of every part's answers before any weight
+    moves (grpo.old_logprobs), then the ranks' FSDP2 shards put back (Ranks.reshard)."""
+    if needs_pi_old(cfg):
+        for share, adv, _, n_micro in parts:
+            old_logprobs(cfg, model, share, adv.to(device), device, n_micro)
+        ranks.reshard(model)
 
 
 def follow(cfg, model, opt, ranks, start_step, gen_dtype, device):

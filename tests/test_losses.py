@@ -39,6 +39,7 @@ CFG = dict(
     cispo_eps_high=1.0,
     gspo_eps_low=0.2,
     gspo_eps_high=0.5,
+    m2po_tau=0.5,
 )
 K2 = 0.25 / 0.7  # token 2's pi_old/mu
 S0 = math.sqrt(3.0 * 0.6)  # answer 0's GSPO ratio: the geometric mean of its tokens' R
@@ -61,6 +62,9 @@ BY_HAND = {
     # answer 0: s = sqrt(3 * 0.6) = 1.342 < 1.5, unclipped: loss -s, gradient -s A on each token;
     # answer 1: s = 0.25 pushed down past 0.8: loss 0.8, gradient 0
     "gspo": ([-S0, -S0, 0.8], [-S0, -S0, 0.0], [False, False, True]),
+    # (log K)^2 = (ln 2)^2, (ln 0.6)^2, (ln 0.357)^2 = 0.4805, 0.2609, 1.0601: mean 0.6005 >= 0.5, so the largest,
+    # token 2's, goes; the rest's mean (0.4805 + 0.2609) / 2 = 0.3707 < 0.5: kept. Loss -R A, unclipped; gradient -R A
+    "m2po": ([-3.0, -0.6, 0.0], [-3.0, -0.6, 0.0], [False, False, True]),
 }
 
 
@@ -75,14 +79,85 @@ def test_loss_by_hand(name):
     logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
     mu = logp.detach() - torch.tensor(R, dtype=torch.float64).log()
     old = logp.detach() - torch.tensor(D, dtype=torch.float64).log()
+    cfg = dict(CFG, m2po_cutoff=grpo.m2po_cutoff(grpo.m2po_moment(old, mu), CFG["m2po_tau"]))  # m2po's mask
     per_token, clipped = grpo.LOSSES[name](
-        CFG, logp, old, mu, torch.tensor(ADV, dtype=torch.float64), torch.tensor(ANSWER)
+        cfg, logp, old, mu, torch.tensor(ADV, dtype=torch.float64), torch.tensor(ANSWER)
     )
     per_token.sum().backward()
     want_loss, want_grad, want_clipped = BY_HAND[name]
     assert per_token.tolist() == pytest.approx(want_loss, abs=1e-9)
     assert logp.grad.tolist() == pytest.approx(want_grad, abs=1e-9)
     assert clipped.tolist() == want_clipped
+
+
+@pytest.mark.fast
+def test_m2po_masks_the_largest_until_the_rest_is_under_tau():
+    """Six tokens, log(pi_old/mu) = 0.3, 0.1, -0.5, 0.2, 0, 0.4: (log)^2 = 0.09, 0.01, 0.25, 0.04, 0, 0.16,
+    mean 0.55 / 6 = 0.0917 >= tau 0.04. Masked in order: 0.25 (the rest's mean 0.30 / 5 = 0.06, still
+    >= 0.04), then 0.16 (0.14 / 4 = 0.035 < 0.04): two masked, the largest kept 0.09, M2 0.035."""
+    log_k = torch.tensor([0.3, 0.1, -0.5, 0.2, 0.0, 0.4], dtype=torch.float64)
+    m2 = grpo.m2po_moment(log_k, torch.zeros(6, dtype=torch.float64))
+    cut = grpo.m2po_cutoff(m2, 0.04)
+    assert cut == pytest.approx(0.09) and (m2 <= cut).tolist() == [True, True, False, True, True, False]
+    assert m2[m2 <= cut].mean().item() == pytest.approx(0.035)
+    assert grpo.m2po_cutoff(m2, 0.1) == float("inf")  # 0.0917 < 0.1: nothing masked
+    assert grpo.m2po_cutoff(m2, 0.0) == 0.0  # no mean is below 0: all but the smallest go
+    # the rest's mean must fall *below* tau: once 1.0 goes, (0.5 + 0) / 2 = 0.25 is not below 0.25, so 0.5 goes too
+    assert grpo.m2po_cutoff(torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64), 0.25) == 0.0
+    # a tie with the largest kept value is kept: 0.09 twice, the budget met without either
+    assert grpo.m2po_cutoff(torch.tensor([0.25, 0.16, 0.09, 0.09, 0.01, 0.0]), 0.04) == pytest.approx(0.09)
+
+
+@pytest.mark.fast
+def test_m2po_moment_is_over_the_steps_trained_tokens():
+    """loss_settings: the cutoff over every answer whose advantage is not 0, from pi_old and mu;
+    with two 'ranks' (gather), over both ranks' tokens: the same cutoff as one process."""
+    answers = [
+        dict(old_logprobs=torch.tensor([-1.0, -1.0]), logprobs=torch.tensor([-1.3, -1.1])),  # m2 0.09, 0.01
+        dict(old_logprobs=torch.tensor([-2.0]), logprobs=torch.tensor([-1.5])),  # 0.25
+        dict(old_logprobs=torch.tensor([-1.0, -1.0]), logprobs=torch.tensor([-0.8, -1.0])),  # 0.04, 0
+        dict(old_logprobs=torch.tensor([-3.0]), logprobs=torch.tensor([-2.6])),  # 0.16
+        dict(logprobs=torch.tensor([-9.0, -9.0])),  # advantage 0: not trained, not counted
+    ]
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0, 0.0])
+    cfg = dict(CFG, loss="m2po", m2po_tau=0.04)
+    whole = grpo.loss_settings(cfg, answers, adv)["m2po_cutoff"]
+    assert whole == pytest.approx(0.09, rel=1e-6)
+    halves = [(answers[:2], adv[:2]), (answers[2:], adv[2:])]
+    shares = [[grpo.m2po_moment(s["old_logprobs"], s["logprobs"]) for s, a in zip(b, ad) if a != 0] for b, ad in halves]
+    gather = lambda mine: [torch.cat(x) for x in shares]  # what Ranks.gather returns: each rank's
+    assert all(grpo.loss_settings(cfg, b, ad, gather)["m2po_cutoff"] == whole for b, ad in halves)
+    assert grpo.loss_settings(dict(cfg, loss="tis"), answers, adv) == dict(cfg, loss="tis")  # others: cfg itself
+
+
+@pytest.mark.fast
+def test_gspo_averages_per_answer_by_default():
+    """GSPO's paper averages its objective over answers, each answer's token mean counting the
+    same. Two answers: one token at pi/mu = 1, A = +1 (loss -s A = -1); two tokens at pi/mu =
+    1.0002 (s = 1.0002, inside the clip), A = -1 (loss +1.0002 each). Per answer: (-1 +
+    1.0002) / 2 = 0.0001, and with the default flags that is the loss; averaged over the three
+    tokens it would be (-1 + 2.0004) / 3 = 0.3335."""
+    import lesson
+
+    cfg = lesson.parse_config(["--loss", "gspo"])  # the flags' defaults, as a run fills them (config.fill)
+    assert cfg["loss_agg"] == "answer" and lesson.parse_config(["--loss", "tis"])["loss_agg"] == "token"
+    batch = [dict(token_ids=torch.zeros(1)), dict(token_ids=torch.zeros(2))]
+    logp = torch.tensor([-1.0, -2.0, -2.0], dtype=torch.float64)
+    mu = logp - torch.tensor([1.0, 1.0002, 1.0002], dtype=torch.float64).log()
+    per_token, clipped = grpo.loss_gspo(
+        dict(CFG, gspo_eps_low=3e-4, gspo_eps_high=4e-4),
+        logp,
+        logp,
+        mu,
+        torch.tensor([1.0, -1.0, -1.0], dtype=torch.float64),
+        torch.tensor([0, 1, 1]),
+    )
+    weights = grpo.token_weights(cfg, batch)
+    assert weights.tolist() == [0.5, 0.25]
+    loss = (per_token * torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)).sum()
+    assert loss.item() == pytest.approx(0.0001, abs=1e-9) and not clipped.any()
+    token_mean = grpo.token_weights(dict(cfg, loss_agg="token"), batch)
+    assert (per_token * token_mean[0]).sum().item() == pytest.approx(1.0004 / 3, abs=1e-6)  # the weights are float32
 
 
 @pytest.mark.fast

@@ -16,7 +16,6 @@ import torch
 
 import grpo
 import checkpoint
-import train
 from helpers import LOSS_CFG, batch_of, small_model, with_logprobs
 
 
@@ -61,6 +60,12 @@ def reference_grads(cfg, model, batch, adv):
         per_token = -((rho >= 1 / cfg["geo_threshold"]) & (rho <= cfg["geo_threshold"])).float() * clip(r)
     elif cfg["loss"] == "cispo":
         per_token = -torch.exp(logp.detach() - mu).clamp(0, 5) * A * logp
+    elif cfg["loss"] == "m2po":  # its mask by hand: the largest (log pi_old/mu)^2 of the trained tokens go, one at a
+        m2 = ((old - mu) ** 2).detach()  # time, while the mean of the rest is >= tau
+        kept = sorted(m2[(mask > 0) & (A != 0)].tolist(), reverse=True)
+        while len(kept) > 1 and sum(kept) / len(kept) >= cfg["m2po_tau"]:
+            kept.pop(0)
+        per_token = -((m2 <= kept[0]) * torch.exp(logp - mu) * A)
     else:  # gspo, with its published clip (3e-4, 4e-4)
         s = torch.exp(((logp.detach() - mu) * mask).sum(1, keepdim=True) / n) * torch.exp(logp - logp.detach())
         per_token = -torch.min(s * A, s.clamp(1 - 3e-4, 1 + 4e-4) * A)
@@ -86,7 +91,7 @@ ADVANTAGES = {
 @pytest.mark.parametrize(
     "loss, agg, drift",
     [(name, "token", False) for name in grpo.LOSSES]
-    + [(name, "token", True) for name in ("none", "ppo", "geo", "gspo")]
+    + [(name, "token", True) for name in ("none", "ppo", "geo", "gspo", "m2po")]
     + [("tis", "answer", False), ("tis", "constant", False), ("ppo", "answer", True)],
 )
 def test_micro_batched_gradients_equal_whole_batch(loss, agg, drift, advantages, monkeypatch):
@@ -110,8 +115,16 @@ def test_micro_batched_gradients_equal_whole_batch(loss, agg, drift, advantages,
     cfg = dict(LOSS_CFG, loss=loss, temperature=0.7, loss_agg=agg, max_new_tokens=160)
     if loss == "geo":  # here the answers' geometric mean pi/mu runs 0.90-1.56: 1.2 keeps five, masks three
         cfg["geo_threshold"] = 1.2
+    if loss == "m2po":  # pi_old first (drift: given), then the mask's cutoff over the batch
+        cfg["m2po_tau"] = 1.0  # here (log pi_old/mu)^2 runs ~0-10: masks some tokens, keeps most
+        if not drift:
+            grpo.old_logprobs(dict(cfg, micro_batch_tokens=100_000), model, batch, adv, "cpu")
+        cfg = grpo.loss_settings(cfg, batch, adv)
+        m2 = torch.cat([grpo.m2po_moment(s["old_logprobs"], s["logprobs"]) for s in batch if "old_logprobs" in s])
+        kept = [(m2 <= cfg["m2po_cutoff"]).float().mean()]
+        assert 0 < sum(kept) / len(kept) < 1, "the mask masks nothing or everything: the test proves little"
     ref_loss, ref = reference_grads(cfg, model, batch, adv)
-    monkeypatch.setattr(train, "LOGIT_CHUNK_BYTES", 7 * 4 * 97)  # 7 positions per logit chunk
+    monkeypatch.setattr(grpo, "LOGIT_CHUNK_BYTES", 7 * 4 * 97)  # 7 positions per logit chunk
     for budget in (100_000, 160, 40):  # one micro-batch; 4; 6 (the longest answers alone)
         model.zero_grad(set_to_none=True)
         got_loss, *_ = grpo.train_step(

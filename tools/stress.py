@@ -19,7 +19,9 @@ Stage 2 (holds), at that setting, seeds 0-2: `stale` with every --loss; then the
 correction (rule: the highest mean final pass@1 over the seeds, ties to the earlier in
 grpo.LOSSES, `none` excluded) on `recompute` (stale KV against KV rebuilt under the new
 weights) and on `sync` (nothing off-policy: the reference); and `recompute --loss none`
-(stale KV against rebuilt KV when nothing corrects either).
+(stale KV against rebuilt KV when nothing corrects either). Each --loss with its own
+defaults: `gspo` averages per answer (--loss-agg answer, as its paper; issue 49 changed
+this from the token mean, and its runs were made again), `m2po` was added by issue 50.
 
 Tables: final pass@1 at equal steps (every run takes the preset's steps) and at equal simulated
 time (the earliest end among the runs compared: each run's last evaluation at or before it),
@@ -124,6 +126,7 @@ def read_run(run):
         steps_per_min=60 * len(steps) / steps[-1]["wall_s"],
         stale=per_token(steps, "stale_token_frac"),
         lag=per_token(steps, "lag_mean"),
+        recomputed=sum(m.get("recomputed_tokens", 0) for m in steps) / max(sum(m["trained_tokens"] for m in steps), 1),
         ess=mean("ess"),
         clipped=mean("clipped_frac"),
         kl=mean("kl"),

@@ -1,0 +1,199 @@
+"""
+How far ahead should the generator run? The staleness frontier on lesson.py's simulated clock:
+pass@1 at equal simulated time and at equal steps, steps per minute, lag and the off-policy
+measures, over --max-lag (AReaL's eta), at two speeds of the trainer against the generator and two
+learning rates, per loss. A rerun gives the same files (the clock is simulated).
+
+    .venv/bin/python tools/frontier.py                  # the grid below (144 runs, ~3 hours on 2 cores)
+    .venv/bin/python tools/frontier.py --table-only     # the tables from the runs on disk
+    .venv/bin/python tools/frontier.py --figure         # docs/frontier.png, from the runs on disk
+
+The runs. `lesson.py --preset long --regime recompute` (AReaL's regime: the KV of a half-written
+answer rebuilt under the new weights), 40 steps, pass@1 every 5 steps, seeds 0-2, each pinned to
+one core, --jobs at once (tools/stress.py's launch). --max-lag 0 is `--regime sync`, one batch per
+version. The cells (BLOCKS, ETAS, LOSSES below):
+
+    block                                  | eta               | losses          | seeds
+    trainer x1 (--train-s 1.16e-4), lr x4  | 0 1 2 4 8 16      | none ppo BEST   | 0-2
+    trainer x4 (--train-s 4.64e-4), lr x4  | 0 1 2 4 8 16      | none ppo BEST   | 0-2
+    trainer x1, lr x1 (the preset's 6e-5)  | 0 1 2 4 8 16      | none ppo        | 0-2
+
+The default costs (trainer x1) make generation the slower side; trainer x4 makes training the
+slower side, as at the stress experiment's setting (tools/stress.py). lr x4 (--lr 2.4e-4) is where
+staleness bites (the stress pilot: the naive loss collapses at --max-lag 8); lr x1 is the preset's.
+`none` is the naive loss (mu ignored; AReaL's Table 2 "without the decoupled objective" is PPO
+against the behaviour policy, the same when a batch takes one optimizer step); `ppo` is AReaL's
+decoupled PPO; BEST is the stress experiment's best correction by its own rule (tools/stress.py
+holds, at max-lag 8, trainer x4, lr x4). Dropped, to fit about 2.5 hours of two cores (a full
+grid, 198 runs, would take ~4): the preset's learning rate at trainer x4, and BEST at the
+preset's learning rate, where the stress pilot found the naive loss holding (at --max-lag 2).
+
+The rules, written before the first run:
+- Equal time: within a block, T = the earliest end (last evaluation's simulated second) of any
+  of its runs; a run's pass@1 at T is its last evaluation at or before T. Equal steps: pass@1 at
+  step 40.
+- The best eta of a block and loss: the highest mean pass@1 at T over the seeds; a tie goes to
+  the smaller eta. Beside it, every eta whose paired difference from the best (per seed, t
+  interval, tools/sweep.py's t_interval) includes 0: the seeds cannot tell them apart.
+- Each difference is reported with its 95% t interval over the 3 seeds and the smallest
+  difference those seeds could have shown (the interval's half-width): a null result states
+  its power.
+
+Runs go to out/frontier/<block>/<loss>-eta<k>-s<seed>/ (a finished run is not run again);
+runtime.json in each records its wall-clock seconds.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from course import finished  # noqa: E402
+from stress import at_time, launch, ms, read_run  # noqa: E402
+from sweep import t_interval  # noqa: E402
+
+SEEDS = (0, 1, 2)
+ETAS = (0, 1, 2, 4, 8, 16)
+BASE = ("--preset", "long", "--regime", "recompute", "--steps", "40", "--eval-every", "5")
+TRAIN_S = {"x1": 1.16e-4, "x4": 4.64e-4}  # lesson.py's default, and 4x it
+LR = {"x1": 6e-5, "x4": 2.4e-4}  # the long preset's, and 4x it
+BEST = "gspo"  # the stress experiment's best correction by its rule (RESULTS.md); set before the first run
+BLOCKS = {  # name -> (trainer speed, learning rate, losses)
+    "trainer-x1-lr-x4": ("x1", "x4", ("none", "ppo", BEST)),
+    "trainer-x4-lr-x4": ("x4", "x4", ("none", "ppo", BEST)),
+    "trainer-x1-lr-x1": ("x1", "x1", ("none", "ppo")),
+}
+
+
+def run_dir(out, block, loss, eta, seed):
+    return os.path.join(out, block, f"{loss}-eta{eta}-s{seed}")
+
+
+def flags(block, loss, eta, seed):
+    speed, lr, _ = BLOCKS[block]
+    regime = ("--regime", "sync") if eta == 0 else ("--max-lag", str(eta))
+    return (*BASE, *regime, "--loss", loss, "--lr", str(LR[lr]), "--train-s", str(TRAIN_S[speed]), "--seed", str(seed))
+
+
+def plan(out):
+    """Every (flags, run directory) of the grid, seed by seed (a grid cut short has every cell's first seeds)."""
+    return [
+        (flags(block, loss, eta, seed), run_dir(out, block, loss, eta, seed))
+        for seed in SEEDS
+        for block, (_, _, losses) in BLOCKS.items()
+        for loss in losses
+        for eta in ETAS
+    ]
+
+
+def read_block(out, block):
+    """{(loss, eta): [read_run per finished seed]} of a block."""
+    rows = {}
+    for loss in BLOCKS[block][2]:
+        for eta in ETAS:
+            runs = [run_dir(out, block, loss, eta, s) for s in SEEDS]
+            rows[(loss, eta)] = [read_run(r) for r in runs if finished(r)]
+    return rows
+
+
+def interval(d):
+    """'mean [low, high]' in points, and the interval's half-width (the smallest difference the seeds could show)."""
+    ci = t_interval(d)
+    if not ci:
+        return f"{statistics.mean(d):+.1f}", None
+    return f"{statistics.mean(d):+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]", (ci[1] - ci[0]) / 2
+
+
+def block_table(out, block):
+    """The block's table and the best eta per loss by the rule; None when a cell is unfinished."""
+    rows = read_block(out, block)
+    if any(len(v) < len(SEEDS) for v in rows.values()):
+        missing = sum(len(SEEDS) - len(v) for v in rows.values())
+        return f"({block}: {missing} runs not finished)", None
+    t = min(r["curve"][-1][1] for runs in rows.values() for r in runs)
+    speed, lr, losses = BLOCKS[block]
+    lines = [
+        f"**{block}** (`--train-s {TRAIN_S[speed]:g} --lr {LR[lr]:g}`): pass@1 at equal time T = {t:.0f} simulated s, "
+        "and at step 40; differences from the best eta of the same loss, paired by seed (points, 95% t interval)",
+        "",
+        "| loss | eta | pass@1 at T | vs best | pass@1 at step 40 | steps/min | lag | stale tokens | recomputed "
+        "| ESS | KL(mu‖pi) | clipped | runtime s |",
+        "|---" * 13 + "|",
+    ]
+    best = {}
+    for loss in losses:
+        means = {eta: statistics.mean(at_time(r["curve"], t) for r in rows[(loss, eta)]) for eta in ETAS}
+        top = max(ETAS, key=lambda eta: (means[eta], -eta))  # ties: the smaller eta
+        same = []
+        for eta in ETAS:
+            runs = rows[(loss, eta)]
+            d = [100 * (at_time(a["curve"], t) - at_time(b["curve"], t)) for a, b in zip(runs, rows[(loss, top)])]
+            text, half = interval(d) if eta != top else ("best", None)
+            if eta == top or (t_interval(d) and t_interval(d)[0] <= 0 <= t_interval(d)[1]):
+                same.append(eta)
+            mean = lambda key, fmt: fmt.format(statistics.mean(r[key] for r in runs))
+            lines.append(
+                f"| {loss} | {eta if eta else '0 (sync)'} | {ms([at_time(r['curve'], t) for r in runs])} | {text} "
+                f"| {ms([r['final'] for r in runs])} | {ms([r['steps_per_min'] for r in runs], '{:.1f}')} "
+                f"| {mean('lag', '{:.2f}')} | {100 * statistics.mean(r['stale'] for r in runs):.1f}% "
+                f"| {100 * statistics.mean(r['recomputed'] for r in runs):.0f}% "
+                f"| {mean('ess', '{:.3f}')} | {mean('kl', '{:.1e}')} "
+                f"| {100 * statistics.mean(r['clipped'] for r in runs):.1f}% "
+                f"| {statistics.mean(r['runtime'] or 0 for r in runs):.0f} |"
+            )
+        best[loss] = (top, same)
+    lines.append("")
+    for loss, (top, same) in best.items():
+        lines.append(
+            f"- {loss}: best eta by the rule **{top}**; the seeds cannot tell it from eta "
+            + ", ".join(str(e) for e in same if e != top)
+            if len(same) > 1
+            else f"- {loss}: best eta by the rule **{top}**, apart from every other eta"
+        )
+    return "\n".join(lines), best
+
+
+def figure(out, path):
+    """pass@1 at equal time against eta, one line per loss (the seeds' range as a band), and
+    steps/min against eta beside it (AReaL's Fig. 5c), one row per block."""
+    from plot import plot_frontier
+
+    blocks = {}
+    for block in BLOCKS:
+        rows = read_block(out, block)
+        if any(len(v) < len(SEEDS) for v in rows.values()):
+            continue
+        t = min(r["curve"][-1][1] for runs in rows.values() for r in runs)
+        blocks[f"{block} (T = {t:.0f} s)"] = {
+            loss: [
+                ([at_time(r["curve"], t) for r in rows[(loss, eta)]], [r["steps_per_min"] for r in rows[(loss, eta)]])
+                for eta in ETAS
+            ]
+            for loss in BLOCKS[block][2]
+        }
+    return plot_frontier(blocks, ETAS, path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join("out", "frontier"), help="where the runs go")
+    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="runs at once, one core each")
+    p.add_argument("--table-only", action="store_true", help="no new runs: tables from the runs on disk")
+    p.add_argument("--figure", action="store_true", help="draw docs/frontier.png from the runs on disk")
+    args = p.parse_args()
+    if not args.table_only and not args.figure:
+        todo = [(f, r) for f, r in plan(args.out) if not finished(r)]
+        print(f"{len(plan(args.out)) - len(todo)} of {len(plan(args.out))} runs finished already", file=sys.stderr)
+        launch(args.jobs, todo)
+    for block in BLOCKS:
+        print(block_table(args.out, block)[0] + "\n", flush=True)
+    if args.figure:
+        print("figure:", figure(args.out, os.path.join(ROOT, "docs", "frontier.png")))
+
+
+if __name__ == "__main__":
+    main()

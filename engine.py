@@ -261,31 +261,12 @@ class Generator:
     timeline entry); whoever drives it empties it. clock: what it reads the time from
     (WallClock by default). receive(engine, version, weights): how new weights get into
     the engine (load_in_place by default; the generator process receives a broadcast).
-    The rest is the generator process's (generator_process.py; the defaults are the lesson's):
-    engine_id of `engines` (engine i writes the groups g = i mod engines); where a
-    resumed run starts (start_version, start_group: the data position, skip_groups: the
-    groups after it already consumed or rejected, start_stats: its counters);
-    queue_size: finished answers it may hold before it stops admitting (the lesson
-    empties the outbox every turn)."""
+    What only the generator process needs (a resumed run, several engines, the pool's
+    rejected groups, its queue's bound) is generator_process.ProcessGenerator's."""
 
-    def __init__(
-        self,
-        cfg,
-        engine,
-        problems,
-        tokenizer,
-        outbox,
-        clock=None,
-        receive=load_in_place,
-        *,
-        engine_id=0,
-        engines=1,
-        start_version=0,
-        start_group=0,
-        skip_groups=(),
-        start_stats=None,
-        queue_size=float("inf"),
-    ):
+    proc, engine_id = "generator", 0  # its lane on the timeline (engine.lane), and which engine it is
+
+    def __init__(self, cfg, engine, problems, tokenizer, outbox, clock=None, receive=load_in_place):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from data import prompt_ids
@@ -303,19 +284,11 @@ class Generator:
         )
         self.inflight = {}  # request id -> Rollout
         self.admitting = True  # drain turns this off while it finishes old answers
-        # the generator process's: a resumed run, several engines, PACE (the lesson's defaults: v0, group 0, one)
-        self.version = self.start_version = start_version  # > 0 when resuming
-        # engine i of N writes the groups g = i mod N, from the data position on (pool.Pool.position)
-        self.engine_id, self.engines, self.queue_size = engine_id, engines, queue_size
-        self.proc = lane(engine_id, engines)  # its lane on the timeline
-        self.start_group = start_group
-        self.next_group = self.start_group + (self.engine_id - self.start_group) % engines
-        self.skip = set(skip_groups)  # groups after it already consumed or rejected (resume)
-        self.rejected = 0  # groups the trainer's pool rejected since this generator started (may_admit)
+        self.version = 0  # the weights loaded
+        self.next_group = 0  # groups are numbered in admission order (pool.Pool trains them in that order)
         self.stats = dict(
             gen_tokens=0, gen_idle_s=0.0, gen_drain_s=0.0, discarded_tokens=0, recomputed_tokens=0, loads=0, preempted=0
         )
-        self.stats.update(start_stats or {})  # resume: the run's counters at its checkpoint
         # requests in the engine at once (training + eval): at most what its KV cache holds
         self.kv_answers = min(cfg["max_num_seqs"], kv_capacity(engine, cfg["max_model_len"])[0])
         watch_preemptions(engine, self.preempted)
@@ -379,11 +352,11 @@ class Generator:
         """Load new weights in place, between two engine steps (receive: a state dict
         loaded in this process, or a broadcast received in the generator process)."""
         t0 = self.clock.now()
-        joined = self.receive(self.engine, version, weights)  # several engines: when the last one joined the push
-        if joined is not None and joined > t0:  # until then this engine waited for the others to drain
-            self.set_activity("idle", t0)
-            self.stats["gen_idle_s"] += joined - t0
-            t0 = joined
+        self.receive(self.engine, version, weights)
+        self.loaded(version, t0)
+
+    def loaded(self, version, t0):
+        """The load that began at t0 is done: the time it cost, the new version."""
         self.set_activity("loading", t0)
         self.clock.spend("load")
         t1 = self.clock.now()
@@ -401,37 +374,29 @@ class Generator:
     # -- the loop's parts
 
     def may_admit(self):
-        """AReaL's staleness bound: at most (version + max_lag + 1) batches admitted.
-        The trainer takes groups in admission order (pool.Pool), so nothing admitted now
-        is consumed more than max_lag versions after the weights that started it: this
-        bounds the *generation* staleness of what is trained. Also bounded: finished
-        answers not yet handed over, and the KV cache (kv_capacity).
-        Not the lesson's, and each 0 or unbounded there: versions count from
-        start_version and groups from start_group (a resumed run); a group the trainer's
-        pool rejected (--pool pace) leaves its place to a new one, so a generator faster
-        than the trainer keeps the pool above PACE's target; queue_size (the generator
-        process's queue)."""
-        versions = self.version - self.start_version + self.cfg["max_lag"] + 1
-        budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
-        handed_over = len(self.outbox) < self.queue_size  # lesson.py empties it every turn
+        """AReaL's staleness bound: at most (version + max_lag + 1) batches of --prompts-per-step
+        groups admitted. The trainer takes groups in admission order (pool.Pool), so nothing
+        admitted now is consumed more than max_lag versions after the weights that started it:
+        this bounds the *generation* staleness of what is trained. And the KV cache: room for
+        one more group beside the answers in flight (kv_capacity)."""
+        budget = (self.version + self.cfg["max_lag"] + 1) * self.cfg["prompts_per_step"]
         return (
             self.admitting
             and self.next_group < budget
-            and handed_over
             and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers
         )
 
     def admit(self):
+        """Start the next groups while may_admit says so."""
         while self.may_admit():
-            g = self.next_group
-            self.next_group += self.engines
-            if g in self.skip:  # consumed or rejected before the run was resumed
-                continue
-            pid = g % len(self.prompts)  # the problem list is already shuffled
-            for i in range(self.cfg["group_size"]):
-                self.submit(
-                    Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"], self.clock.now())
-                )
+            self.submit_group(self.next_group)
+            self.next_group += 1
+
+    def submit_group(self, g):
+        """Group g: --group-size answers to one problem (the problem list is already shuffled)."""
+        pid = g % len(self.prompts)
+        for i in range(self.cfg["group_size"]):
+            self.submit(Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"], self.clock.now()))
 
     def step(self):
         """One engine step; finished answers go to the outbox."""

@@ -86,6 +86,28 @@ MUTANTS = {
             'keep = (k <= cfg["icepop_low"]) | (k >= cfg["icepop_high"])',
         ),
     ],
+    "m2po": [
+        (
+            "<= tau, not < tau",
+            "grpo.py",
+            "below = torch.nonzero(rest_mean < tau)",
+            "below = torch.nonzero(rest_mean <= tau)",
+        ),
+        ("the smallest first", "grpo.py", "flatten(), descending=True).values", "flatten(), descending=False).values"),
+        ("the smallest masked value returned", "grpo.py", "else s[masked].item()", "else s[masked - 1].item()"),
+        (
+            "every token masked when no mean is below tau",
+            "grpo.py",
+            "if len(below) else len(s) - 1",
+            "if len(below) else len(s)",
+        ),
+        (
+            "the mean of the masked, not of the rest",
+            "grpo.py",
+            "s.flip(0).cumsum(0).flip(0) / torch.arange(len(s), 0, -1, dtype=torch.float64)",
+            "s.cumsum(0) / torch.arange(1, len(s) + 1, dtype=torch.float64)",
+        ),
+    ],
     "record": [
         ("no prefill note", "engine.py", "            self.note_prefill(t0, t1, version)\n", ""),
         ("no token note", "engine.py", "        self.note_tokens(n, version, stale, step, t0, t1)\n", ""),
@@ -142,38 +164,59 @@ MUTANTS = {
         ),
     ],
     "max_lag": [
-        ("max_lag, not max_lag + 1", "engine.py", 'self.cfg["max_lag"] + 1', 'self.cfg["max_lag"]'),
+        ("max_lag, not max_lag + 1", "engine.py", 'self.cfg["max_lag"] + 1)', 'self.cfg["max_lag"])'),
+        (
+            "the version not counted",
+            "engine.py",
+            'budget = (self.version + self.cfg["max_lag"]',
+            'budget = (self.cfg["max_lag"]',
+        ),
+        (
+            "answers, not groups",
+            "engine.py",
+            '* self.cfg["prompts_per_step"]\n',
+            '* self.cfg["prompts_per_step"] * self.cfg["group_size"]\n',
+        ),
+        ("<= the budget", "engine.py", "self.next_group < budget", "self.next_group <= budget"),
+        (
+            "no room for the group itself",
+            "engine.py",
+            'len(self.inflight) + self.cfg["group_size"] <= self.kv_answers\n        )\n\n    def admit',
+            "len(self.inflight) < self.kv_answers\n        )\n\n    def admit",
+        ),
+        (
+            "admits when not admitting",
+            "engine.py",
+            "            self.admitting\n            and self.next_group < budget\n            and len(self.inflight)",
+            "            True\n            and self.next_group < budget\n            and len(self.inflight)",
+        ),
+    ],
+    # not an exercise: the generator process's bound (generator_process.ProcessGenerator.may_admit), whose
+    # terms the max_lag exercise once held; graded by its own by-hand test (CHEAP below)
+    "process_admission": [
         (
             "rejected groups not counted",
-            "engine.py",
+            "generator_process.py",
             '* self.cfg["prompts_per_step"] + self.rejected',
             '* self.cfg["prompts_per_step"]',
         ),
         (
             "versions counted from 0 (resume)",
-            "engine.py",
+            "generator_process.py",
             "versions = self.version - self.start_version +",
             "versions = self.version +",
         ),
-        ("groups counted from 0 (resume)", "engine.py", "budget = self.start_group + versions", "budget = versions"),
-        ("<= the budget", "engine.py", "self.next_group < budget", "self.next_group <= budget"),
+        (
+            "groups counted from 0 (resume)",
+            "generator_process.py",
+            "budget = self.start_group + versions",
+            "budget = versions",
+        ),
         (
             "outbox full at queue_size + 1",
-            "engine.py",
+            "generator_process.py",
             "len(self.outbox) < self.queue_size",
             "len(self.outbox) <= self.queue_size",
-        ),
-        (
-            "no room for the group itself",
-            "engine.py",
-            'len(self.inflight) + self.cfg["group_size"] <= self.kv_answers',
-            "len(self.inflight) < self.kv_answers",
-        ),
-        (
-            "admits when not admitting",
-            "engine.py",
-            "            self.admitting\n            and self.next_group",
-            "            True\n            and self.next_group",
         ),
     ],
     "pace": [
@@ -203,6 +246,10 @@ CHEAP = {
         "tests/test_graders.py::test_advantages_of_a_group_of_two_and_of_equal_rewards",
     ],
     "loss": ["tests/test_losses.py::test_loss_by_hand[tis]"],
+    "m2po": [
+        "tests/test_losses.py::test_m2po_masks_the_largest_until_the_rest_is_under_tau",
+        "tests/test_losses.py::test_loss_by_hand[m2po]",
+    ],
     "correction": [
         "tests/test_losses.py::test_loss_by_hand[icepop]",
         "tests/test_graders.py::test_icepop_reports_a_masked_token_that_ppo_does_not_clip",
@@ -211,6 +258,68 @@ CHEAP = {
     "recompute": ["tests/test_graders.py::test_recompute_switch_by_hand"],
     "max_lag": [
         "tests/test_graders.py::test_max_lag_admission_bound_by_hand",
-        "tests/test_graders.py::test_max_lag_outbox_and_kv_cache_by_hand",
+        "tests/test_graders.py::test_max_lag_kv_cache_by_hand",
     ],
+    "process_admission": ["tests/test_generator.py::test_process_admission_bound_by_hand"],
 }  # pace: all its graders (tests/test_pace.py's take seconds)
+
+# Right answers in another form than the project's, each allowed by its exercise's task
+# (tools/exercise.py): tests/test_exercises.py checks that each, put alone into a copy,
+# passes every grader of its exercise: a grader that rejects one of these checks more
+# than the task says.
+ACCEPTED = {
+    "advantages": [
+        (
+            "a loop over the groups",
+            "grpo.py",
+            "    r = rewards.view(-1, group_size)\n"
+            "    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)\n",
+            "    import torch\n\n    out = []\n    for g in rewards.split(group_size):\n"
+            "        out.append((g - g.mean()) / (g.std() + 1e-4))\n    return torch.cat(out)\n",
+        ),
+    ],
+    "loss": [
+        (
+            "torch.minimum, the flag from the weight",
+            "grpo.py",
+            '    ratio = torch.exp(logp.detach() - mu)\n    return -ratio.clamp(max=cfg["is_cap"]) * adv * logp, '
+            'ratio > cfg["is_cap"]\n',
+            '    ratio = (logp - mu).exp().detach()\n    w = torch.minimum(ratio, torch.tensor(cfg["is_cap"], '
+            "dtype=ratio.dtype))\n    return -(w * adv) * logp, w < ratio\n",
+        ),
+    ],
+    "m2po": [
+        (
+            "a loop that masks one at a time",
+            "grpo.py",
+            "    s = torch.sort(m2.double().flatten(), descending=True).values\n",
+            "    kept = sorted(m2.double().flatten().tolist(), reverse=True)\n    masked = 0\n"
+            "    while masked < len(kept) - 1 and sum(kept[masked:]) / (len(kept) - masked) >= tau:\n"
+            '        masked += 1\n    if kept:\n        return float("inf") if masked == 0 else kept[masked]\n'
+            "    s = torch.sort(m2.double().flatten(), descending=True).values\n",
+        ),
+    ],
+    "recompute": [
+        (
+            "kv_version reset just after the submit",
+            "regimes.py",
+            "            r.kv_version = None  # its KV is about to be written by v+1: Rollout.record counts it then\n"
+            "            gen.submit(r)\n",
+            "            gen.submit(r)\n            r.kv_version = None  # nothing steps in between\n",
+        ),
+        (
+            "submitted again in reverse order",
+            "regimes.py",
+            "        for r in aborted:\n            r.kv_version = None",
+            "        for r in reversed(aborted):\n            r.kv_version = None",
+        ),
+    ],
+    "pace": [
+        (
+            "the rejected returned in admission order",
+            "pool.py",
+            "return [pool.pop(g) for g in worst]",
+            "return [pool.pop(g) for g in sorted(worst)]",
+        ),
+    ],
+}

@@ -6,13 +6,16 @@ on the project's own code every grader passes.
     .venv/bin/python -m pytest -q tests/test_exercises.py
 """
 
+import ast
 import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 
-from exercise_mutants import CHEAP, MUTANTS
-from tools.exercise import EXERCISES, KEPT_BACK, ROOT, SKIP, answer, check, check_many, copy_code, make, replace
+from exercise_mutants import ACCEPTED, CHEAP, MUTANTS
+from tools.exercise import EXERCISES, ROOT, SKIP, check, check_many, copy_code, find, later, make, replace
 
 
 @pytest.mark.fast
@@ -25,46 +28,83 @@ def test_every_grader_passes_on_the_project():
 @pytest.mark.parametrize("name", sorted(EXERCISES))
 def test_every_grader_fails_on_the_exercise(name, tmp_path):
     make(name, str(tmp_path / "copy"))
-    results = check(EXERCISES[name]["graders"], str(tmp_path / "copy"))
+    results = check(EXERCISES[name]["graders"], str(tmp_path / "copy"), name)
     assert results and not any(results.values()), [t for t, ok in results.items() if ok]
 
 
-def text_lines(root):
-    """{stripped line: count} over the text files under `root` (not SKIP)."""
+def statements(source):
+    """The statements of Python source, normalised (ast.unparse: no comments, one way to space
+    and quote): every simple statement, and the header of every if, while and for."""
+    out = []
+    for node in ast.walk(ast.parse(source) if isinstance(source, str) else source):
+        if isinstance(node, (ast.If, ast.While)):
+            out.append(ast.unparse(node.test))
+        elif isinstance(node, ast.For):
+            out.append(f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}")
+        elif isinstance(node, ast.stmt) and not isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.With, ast.Try)):
+            out.append(ast.unparse(node))
+    return out
+
+
+def answer_statements(name):
+    """An exercise's answer, normalised: its function's body (the docstring left out), or a silent bug's right line."""
+    ex = EXERCISES[name]
+    if "silent" in ex:
+        return statements(ex["silent"][1].strip())
+    fn = find(ast.parse(open(os.path.join(ROOT, ex["where"][0])).read()), ex["where"][1])
+    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    return [x for stmt in body for x in statements(ast.Module(body=[stmt], type_ignores=[]))]
+
+
+def tree_statements(root, top_only=False):
+    """Counter of the normalised statements of every .py file under root (not SKIP; top_only: the root's files)."""
     counts = Counter()
     for d, dirs, files in os.walk(root):
-        dirs[:] = [x for x in dirs if x not in SKIP]
+        dirs[:] = [] if top_only else [x for x in dirs if x not in SKIP]
         for f in files:
-            try:
-                counts.update(line.strip() for line in open(os.path.join(d, f), encoding="utf-8"))
-            except (UnicodeDecodeError, OSError):
-                pass
+            if f.endswith(".py"):
+                counts.update(statements(open(os.path.join(d, f)).read()))
     return counts
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize("name", sorted(EXERCISES))
 def test_the_copy_holds_no_answer(name, tmp_path):
-    """A student's copy has none of the answer's own lines (a line it shares with code that
-    stays, `import torch` or loss_ppo's call of ppo_clip, may stay as often as that code
-    has it), no test (the graders, tests/test_train.py's reference loss, the mutants) and
-    not tools/exercise.py (the silent bugs' right lines); it has EXERCISE.md and a .venv."""
+    """A student's copy holds no statement of its exercise's answer, nor of a later function
+    exercise's, in any file (tools included: a near-copy of Rollout.record once sat in a
+    benchmark), normalised (formatting and comments aside), unless the lesson's own code has
+    it elsewhere too (`import torch`, loss_ppo's call of ppo_clip); no test (the graders, the
+    reference loss, the mutants) and not tools/exercise.py (the silent bugs' right lines); it
+    has EXERCISE.md and a .venv."""
     copy = tmp_path / "copy"
     make(name, str(copy))
     assert not (copy / "tests").exists() and not (copy / "tools" / "exercise.py").exists()
     assert (copy / "EXERCISE.md").exists() and (copy / ".venv" / "bin" / "python").exists()
-    lines, kept = answer(name), text_lines(copy)
-    project = text_lines(ROOT)
-    for d in KEPT_BACK:
-        project.subtract(
-            text_lines(os.path.join(ROOT, d))
-            if os.path.isdir(os.path.join(ROOT, d))
-            else Counter(line.strip() for line in open(os.path.join(ROOT, d)))
-        )
-    own = [line for line in lines if project[line] == lines.count(line)]  # in the answer only
-    assert own, "the answer has no line of its own: this test would check nothing"
-    for line in lines:
-        assert kept[line] <= project[line] - lines.count(line), f"{name}: the copy holds {line!r}"
+    kept, lesson = tree_statements(copy), tree_statements(ROOT, top_only=True)
+    for n in [name, *later(name)]:
+        answer = answer_statements(n)
+        own = [x for x in answer if lesson[x] <= answer.count(x)]  # statements found nowhere else in the lesson
+        assert own, f"{n}: the answer has no statement of its own: this test would check nothing"
+        for x in own:
+            assert not kept[x], f"the copy of {name} holds {n}'s {x!r}"
+
+
+@pytest.mark.fast
+def test_a_course_copy_stubs_every_exercise_and_grades_each_alone(tmp_path):
+    """make all: every function exercise stubbed, each graded alone (the others' code is the
+    project's during grading): an answer written in it passes its own cheap graders while
+    the others still fail."""
+    copy = tmp_path / "course"
+    make("all", str(copy))
+    functions = [n for n in EXERCISES if "where" in EXERCISES[n]]
+    for n in functions:
+        path, qualname = EXERCISES[n]["where"]
+        assert "NotImplementedError" in ast.unparse(find(ast.parse(open(copy / path).read()), qualname))
+    from tools.exercise import restore
+
+    restore(str(copy), "advantages")  # as if the student had written it
+    assert all(check(CHEAP["advantages"], str(copy), "advantages").values())
+    assert not any(check(CHEAP["loss"], str(copy), "loss").values())
 
 
 @pytest.mark.fast
@@ -83,7 +123,8 @@ def test_check_ignores_the_copys_tests_and_counts_a_skip_as_a_fail(tmp_path):
     (copy / "pytest.ini").write_text("[pytest]\naddopts = -p no:junitxml\n")
     graders = ["tests/test_train.py::test_advantages_by_hand", "tests/test_train.py::test_no_such_grader"]
     assert check(graders, str(copy)) == {g: False for g in graders}
-    replace(str(copy / "grpo.py"), "raise NotImplementedError(", "import pytest; pytest.skip(")
+    task = repr("exercise: " + EXERCISES["advantages"]["task"])
+    replace(str(copy / "grpo.py"), "raise NotImplementedError(" + task, "import pytest; pytest.skip(" + task)
     assert check(graders[:1], str(copy)) == {graders[0]: False}
 
 
@@ -97,16 +138,53 @@ def test_every_mutant_fails_a_grader(name, tmp_path):
         copies.append(str(tmp_path / str(i)))
         copy_code(ROOT, copies[-1])
         replace(os.path.join(copies[-1], file), old, new)
-    graders = CHEAP.get(name, EXERCISES[name]["graders"])
-    results = check_many(graders, copies)
+    graders = CHEAP.get(name) or EXERCISES[name]["graders"]
+    results = check_many(graders, copies, name if name in EXERCISES else None)
     for (label, *_), got in zip(MUTANTS[name], results):
         print(f"{name}: {label}: caught by", [g for g, ok in got.items() if not ok])
     assert not [m[0] for m, got in zip(MUTANTS[name], results) if all(got.values())], "mutants no grader catches"
     assert all(check(graders, ROOT).values())  # and the project passes them, graded the same way
 
 
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_every_accepted_variant_passes_every_grader(name, tmp_path):
+    """The mirror of the mutants: each right answer in another form the task allows
+    (tests/exercise_mutants.py's ACCEPTED), put alone into a copy, passes every grader of its
+    exercise."""
+    copies = []
+    for i, (label, file, old, new) in enumerate(ACCEPTED[name]):
+        copies.append(str(tmp_path / str(i)))
+        copy_code(ROOT, copies[-1])
+        replace(os.path.join(copies[-1], file), old, new)
+    results = check_many(EXERCISES[name]["graders"], copies, name)
+    rejected = {v[0]: [g for g, ok in got.items() if not ok] for v, got in zip(ACCEPTED[name], results)}
+    assert not any(rejected.values()), f"right answers a grader rejects: {rejected}"
+
+
 @pytest.mark.fast
 def test_the_cheap_graders_are_the_exercises_and_pass():
-    assert all(set(CHEAP[name]) <= set(EXERCISES[name]["graders"]) for name in CHEAP)
-    graders = sorted({g for name in MUTANTS for g in CHEAP.get(name, EXERCISES[name]["graders"])})
+    """CHEAP: for each exercise, graders of its own; for code beside the exercises (the
+    generator process's bound), its by-hand test. All pass on the project."""
+    assert all(set(CHEAP[name]) <= set(EXERCISES[name]["graders"]) for name in CHEAP if name in EXERCISES)
+    assert all(name in CHEAP for name in MUTANTS if name not in EXERCISES)
+    graders = sorted({g for name in MUTANTS for g in CHEAP.get(name) or EXERCISES[name]["graders"]})
     assert all(check(graders, ROOT).values())
+
+
+@pytest.mark.fast
+def test_check_prints_why_a_grader_fails(tmp_path):
+    """`check` on a copy where one grader of several fails prints that grader's assertion, so
+    a student who has no tests in the copy can act on it."""
+    copy = tmp_path / "copy"
+    copy_code(ROOT, str(copy))
+    replace(str(copy / "pool.py"), "(-eff[g], _completed(pool[g]))", "(-eff[g], -_completed(pool[g]))")  # ties
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "exercise.py"), "check", "pace", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1 and "1/8 graders pass" not in r.stdout
+    failed = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
+    assert failed and len(failed) < 8, r.stdout
+    assert "assert" in r.stdout.split(failed[0], 1)[1].splitlines()[1], r.stdout

@@ -261,3 +261,82 @@ def test_style():
     for args in (["format", "--check", "--quiet"], ["check", "--quiet", "--output-format", "concise"]):
         out = subprocess.run([ruff, *args, ROOT], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0, f"ruff {args[0]}:\n{out.stdout}{out.stderr}"
+
+
+def code_lines(path, names=None):
+    """Non-blank lines (docstrings and comments count: a reader reads them) of the file at
+    `path`, or of the functions and classes `names` in it ("f", "Class", "Class.method")."""
+    lines = open(path).read().split("\n")
+    if names is None:
+        return sum(1 for line in lines if line.strip())
+    total = 0
+    for qualname in names:
+        node = ast.parse("\n".join(lines))
+        for part in qualname.split("."):
+            node = next(n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
+        first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+        total += sum(1 for line in lines[first - 1 : node.end_lineno] if line.strip())
+    return total
+
+
+PACE = 8  # lines a minute: the measured first reading (docs/course.md, Reading guide)
+
+
+def test_the_first_sitting_reads_in_90_minutes():
+    """docs/course.md's first sitting: each step names a file and what of it to read; the
+    lines stated for each are what those functions hold (code_lines), they add up to the
+    stated total, at most 700 lines of code, and with the README's minutes at PACE the
+    sitting's stated time, at most 90 minutes."""
+    course = open(os.path.join(ROOT, "docs", "course.md")).read()
+    part = course[course.index("### The first sitting") :]
+    part = part[: part.index("\n#", 1)]
+    steps = re.findall(r"^\d+\. \*\*`(\w+\.py)`(?:, all of it|: ([^*]+))\*\* \((\d+) lines\)", part, flags=re.M)
+    assert len(steps) >= 5, steps
+    total = 0
+    for path, names, stated in steps:
+        names = re.findall(r"`([\w.]+)`", names) if names else None
+        counted = code_lines(os.path.join(ROOT, path), names)
+        assert counted == int(stated), f"{path}: {stated} lines stated, {counted} counted"
+        total += counted
+    said = re.search(
+        r"That is (\d+) lines of code, (\d+) minutes at 8 lines a minute; with the README's (\d+), (\d+) minutes", part
+    )
+    assert said, "the sitting's total is not stated"
+    lines, minutes, readme, sitting = map(int, said.groups())
+    assert lines == total <= 700 and minutes == -(-total // PACE) and sitting == minutes + readme <= 90, said.group(0)
+    words = len(
+        re.sub(r"```.*?```|\([^)]*\)|[|`*#\[\]]", " ", open(os.path.join(ROOT, "README.md")).read(), flags=re.S).split()
+    )
+    assert readme >= -(-words // 150), f"the README's {words} words take more than {readme} minutes at 150 a minute"
+
+
+# sentences the course once said that were wrong or misleading (issue 49): each fails this test if it comes back
+WRONG = {
+    "docs/course.md": [
+        "its gradient would push pi toward making the ratio itself larger",  # the extra term has the factor 1 + log pi
+        "defaults from each source",  # CISPO's eps_high is this project's
+        "bounded with its answer",  # gspo with A < 0 and s > 1 + eps is unbounded
+        "no computation outside the engine reproduces it",  # hf_stale_logprobs does, with both versions
+        "count as if pi had written them",  # per-token IS corrects each token given mu's prefix
+        "as if pi had written\nthem",
+        "When staleness bites",  # the stress experiment varies lag, the course's word for it
+    ],
+    "README.md": [
+        "no measurable difference",  # measured where 9-13% of tokens were stale, with +-10-point intervals
+        "token-level corrections hold half",  # tis's interval ran from -8.5 to +46.6
+        "A stale cache undoes 45% of a step's change",  # one seed at one learning rate; seeds vary widely
+    ],
+    "grpo.py": ['secretly brings you off-policy RL training", 2025): w = min(pi/mu, C)'],  # theirs is pi_old/mu
+}
+
+
+def test_the_course_says_none_of_what_was_wrong():
+    """The sentences about off-policy correction that issue 49 found wrong stay out; the loss
+    table says that its values are for one optimizer step per batch (pi_old = pi)."""
+    found = []
+    for path, sentences in WRONG.items():
+        text = open(os.path.join(ROOT, path)).read()
+        found += [f"{path}: {x!r}" for x in sentences if x in text or x in re.sub(r"\s+", " ", text)]
+    assert not found, found
+    course = re.sub(r"\s+", " ", open(os.path.join(ROOT, "docs", "course.md")).read())
+    assert "**with one optimizer step per batch**, so that pi_old = pi" in course

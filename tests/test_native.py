@@ -125,16 +125,35 @@ def native(setup, mode):
 )
 def test_our_regime_is_vllms_own_mode(setup, regime, mode):
     """keep_clear: vLLM's pause in "keep" mode with its default clear_cache=True resets the
-    running requests' KV, which is recompute, not stale."""
-    a, b = ours(setup, regime), native(setup, mode)
+    running requests' KV, which is recompute, not stale. The same tokens, and logprobs within
+    1e-5: the exercise's grader (tools/exercise.py recompute), which must accept answers in
+    flight submitted again in any order (another order batches the rebuilds differently, and
+    the kernels round differently: 1.6e-6 apart). The project's regimes: bit for bit, below."""
+    a, b = compared(setup, regime, mode)
     assert [t for t, _ in a] == [t for t, _ in b], "different tokens"
     worst = max(max(abs(x - y) for x, y in zip(la, lb)) for (_, la), (_, lb) in zip(a, b))
-    assert worst == 0.0, f"logprobs differ by up to {worst:.2e}"
+    assert worst < 1e-5, f"logprobs differ by up to {worst:.2e}"
     assert all(len(t) > K for t, _ in a)  # every answer was half-written at the switch
     # and the switch mattered: the old weights alone write other answers
     engine, prompts, old, _, _ = setup
     load_in_place(engine, 0, old)
     assert [t for t, _ in a] != [t for t, _ in native((engine, prompts, old, old, None), "stale")]
+
+
+COMPARED = {}  # (regime, mode) -> (ours, vLLM's): each comparison runs once, for both tests
+
+
+def compared(setup, regime, mode):
+    if (regime, mode) not in COMPARED:
+        COMPARED[(regime, mode)] = ours(setup, regime), native(setup, mode)
+    return COMPARED[(regime, mode)]
+
+
+@pytest.mark.parametrize("regime, mode", [("stale", "stale"), ("recompute", "recompute"), ("discard", "discard")])
+def test_our_regime_is_vllms_own_mode_bit_for_bit(setup, regime, mode):
+    """This project's regimes and vLLM's modes: the same logprobs, bit for bit."""
+    a, b = compared(setup, regime, mode)
+    assert [la for _, la in a] == [lb for _, lb in b]
 
 
 def test_drain_has_no_form_in_this_process(setup):

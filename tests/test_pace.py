@@ -42,6 +42,11 @@ def ids(groups):
     return [g[0]["group_id"] for g in groups]
 
 
+def rejected_ids(groups):
+    """Which groups were rejected: the task says which, not in what order they come back."""
+    return sorted(ids(groups))
+
+
 def test_formulas():
     s = make_sample(0, [3, 3, 5, 5], 1.0)
     assert generation_staleness(s) == pytest.approx((2 + 2 + 0 + 0) / 4)
@@ -65,7 +70,7 @@ def test_long_answer_with_one_old_token_is_fresher_than_short_old_answer():
     assert generation_staleness(long_) < generation_staleness(short)
     pool = {0: [long_], 1: [short], 2: [make_sample(2, [5] * 10, 1.0)]}
     consumed, rejected = take_groups_pace(pool, 1, version=6, lam=1.0, target=2)
-    assert ids(rejected) == [1]
+    assert rejected_ids(rejected) == [1]
 
 
 def test_rejects_highest_effective_staleness_first():
@@ -75,7 +80,7 @@ def test_rejects_highest_effective_staleness_first():
     }
     eff = {g: effective_staleness(pool[g], 10, 1.0) for g in pool}
     consumed, rejected = take_groups_pace(pool, 2, version=10, lam=1.0, target=3)
-    assert ids(rejected) == sorted(eff, key=eff.get, reverse=True)[:2] == [4, 2]
+    assert rejected_ids(rejected) == sorted(sorted(eff, key=eff.get, reverse=True)[:2]) == [2, 4]
     assert ids(consumed) == [0, 1]  # FIFO among the survivors
     assert list(pool) == [3]
 
@@ -84,9 +89,9 @@ def test_lam_zero_ranks_by_waiting_only():
     # group 0: fresh finish, heavy generation staleness; group 1: no generation staleness, waited longer
     pool = {0: make_group(0, [1] * 9 + [6], 1.0), 1: make_group(1, [5, 5], 2.0), 2: make_group(2, [6], 3.0)}
     _, rejected = take_groups_pace(dict(pool), 1, version=7, lam=0.0, target=2)
-    assert ids(rejected) == [1]
+    assert rejected_ids(rejected) == [1]
     _, rejected = take_groups_pace(dict(pool), 1, version=7, lam=1.0, target=2)
-    assert ids(rejected) == [0]
+    assert rejected_ids(rejected) == [0]
 
 
 @pytest.mark.parametrize("size, target, want", [(5, 8, 0), (8, 8, 0), (9, 8, 1), (12, 8, 4)])
@@ -144,8 +149,8 @@ def test_pace_pool_replaces_a_rejected_group_in_order():
         for s in make_group(g, versions, finished=float(g)):
             pool.add(s)
     consumed, rejected = pool.take(version=2)  # 4 complete, target 2: group 0 (the stalest) and one more go
-    assert len(rejected) == 2 and 0 in ids(rejected)
-    assert sorted(ids(consumed) + ids(rejected)) == [0, 1, 2, 3] and pool.position == 4
+    assert len(rejected) == 2 and 0 in rejected_ids(rejected)
+    assert sorted(ids(consumed) + rejected_ids(rejected)) == [0, 1, 2, 3] and pool.position == 4
     pool = Pool(dict(CFG, pool="pace", pace_target=1))
     for g, versions in ((0, [0, 0]), (1, [2, 2]), (3, [2, 2])):  # group 2 still being written
         for s in make_group(g, versions, finished=float(g)):
@@ -155,13 +160,13 @@ def test_pace_pool_replaces_a_rejected_group_in_order():
     for s in make_group(2, [2, 2], finished=5.0):
         pool.add(s)
     consumed, rejected = pool.take(version=2)  # 3 complete, target 1: one more goes (a tie: the first done)
-    assert ids(rejected) == [0, 1] and ids(consumed) == [2, 3] and pool.position == 4
+    assert rejected_ids(rejected) == [0, 1] and ids(consumed) == [2, 3] and pool.position == 4
     pool = Pool(dict(CFG, pool="pace", pace_target=1))
     for g, versions in ((0, [2, 2]), (1, [2, 2]), (3, [0, 0])):  # 3, ahead of 2, is the stalest
         for s in make_group(g, versions, finished=float(g)):
             pool.add(s)
     consumed, rejected = pool.take(version=2)
-    assert ids(rejected) == [3] and ids(consumed) == [0, 1] and (pool.position, pool.done) == (2, {3})
+    assert rejected_ids(rejected) == [3] and ids(consumed) == [0, 1] and (pool.position, pool.done) == (2, {3})
     assert Pool(CFG, pool.position, pool.done).next_ids(2) == [2, 4]  # what a resumed run generates next
 
 
@@ -171,7 +176,7 @@ def test_default_target_and_stats():
     consumed, rejected = take_groups_pace(pool, 2, version=5, lam=1.0, target=3)
     m = pool_stats(consumed, rejected, pool, version=5)
     assert m["rejected_groups"] == 2 and m["rejected_tokens"] == 2 * 2 * 2 and m["pool_size"] == 1
-    assert ids(rejected) == [0, 1] and ids(consumed) == [2, 3]
+    assert rejected_ids(rejected) == [0, 1] and ids(consumed) == [2, 3]
     assert m["gen_staleness_mean"] == pytest.approx((1.0 + 0.5) / 2) and m["wait_staleness_mean"] == 1.0
 
 
@@ -195,7 +200,7 @@ def pools(draw):
 def test_partition(pool, n, target, lam, version):
     original = {g: list(samples) for g, samples in pool.items()}
     consumed, rejected = take_groups_pace(pool, n, version, lam, target)
-    c, r, rest = ids(consumed), ids(rejected), list(pool)
+    c, r, rest = ids(consumed), rejected_ids(rejected), list(pool)
     assert sorted(c + r + rest) == sorted(original)  # a partition: nothing lost, nothing twice
     assert len(consumed) == min(n, len(original))
     assert len(rejected) == min(max(0, len(original) - target), max(0, len(original) - n))

@@ -73,7 +73,7 @@ def test_waiting_for_the_other_engines_is_idle_not_loading():
     and that wait is idle time on its timeline and in gen_idle_s, not loading."""
     from lesson import SimClock
 
-    gen, _, outbox, _ = generator("drain")
+    gen, _, outbox, _ = generator("drain", process=True)
     gen.clock = clock = SimClock(dict(step_s=0.01, prefill_s=0.0, train_s=0.0, load_s=0.5))
 
     def receive(engine, version, weights):  # the other engine drains for 2 s more

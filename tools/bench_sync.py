@@ -391,7 +391,7 @@ def bench_generate(args):
     prompts = [dict(prompt_token_ids=ids) for ids in prompt_ids(tok, problems, "synth") for _ in range(8)]
     ours, theirs = [], []
     for _ in range(args.rounds):  # alternate, so both see the same machine; the first round warms up
-        gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
+        gen.next_group, gen.stats["gen_tokens"] = 0, 0
         gen.outbox.clear()
         gen.admit()  # prompts x group_size answers, all at once
         t0 = time.time()
@@ -447,45 +447,41 @@ def bench_provenance(args):
         AutoTokenizer.from_pretrained(cfg["model_path"]),
         [],
     )
-    with_record = Rollout.record
+    notes = Rollout.note_tokens, Rollout.note_prefill
 
-    def without_record(self, token_ids, logprobs, version, step, t0, t1):  # the record before provenance
-        if self.kv_version is None:
-            self.kv_version = version
-        for tok, lp in zip(token_ids, logprobs):
-            self.tokens.append(tok)
-            self.logprobs.append(lp)
-            self.versions.append(version)
-            self.stale.append(self.kv_version < version)
+    def provenance(on):  # Rollout.record with or without its provenance notes (answers.jsonl's segments, prefills)
+        Rollout.note_tokens, Rollout.note_prefill = notes if on else (lambda *a: None, lambda *a: None)
 
     rates = {"with": [], "without": []}
     for i in range(2 * args.rounds):  # alternate; the first round of each kind warms up
         kind = ["with", "without"][i % 2]
-        Rollout.record = with_record if kind == "with" else without_record
-        gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
+        provenance(kind == "with")
+        gen.next_group, gen.stats["gen_tokens"] = 0, 0
         gen.outbox.clear()
         gen.admit()
         t0 = time.time()
         while gen.inflight:
             gen.step()
         rates[kind].append(gen.stats["gen_tokens"] / (time.time() - t0))
-    Rollout.record = with_record
+    provenance(True)
     w, wo = median_high(rates["with"][1:]), median_high(rates["without"][1:])
     print("tok/s per round, with:", [round(x) for x in rates["with"]], "without:", [round(x) for x in rates["without"]])
     # the record itself, outside the engine: one call per answer per step, as Generator.step makes them
     cost = {}
-    for kind, fn in [("with", with_record), ("without", without_record)] * 3:
+    for kind in ["with", "without"] * 3:
+        provenance(kind == "with")
         r = Rollout("0-0", 0, 0, [1] * 20, 10**6, 0.0)
         t0 = time.perf_counter()
         for step in range(100_000):
-            fn(r, [7], [-0.5], 0, step, 0.0, 0.0)
+            r.record([7], [-0.5], 0, step, 0.0, 0.0)
         cost[kind] = min(cost.get(kind, 1e9), (time.perf_counter() - t0) / 100_000 * 1e6)
+    provenance(True)
     print(
         f"Rollout.record per call (one token): with {cost['with']:.2f} us, without {cost['without']:.2f} us "
         "(best of 3, alternating)"
     )
     # the lines runlog.RunLog.answers writes for these answers (the last round was "without": one more "with")
-    gen.next_group, gen.start_group, gen.stats["gen_tokens"] = 0, 0, 0
+    gen.next_group, gen.stats["gen_tokens"] = 0, 0
     gen.outbox.clear()
     gen.admit()
     while gen.inflight:

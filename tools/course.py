@@ -91,19 +91,28 @@ def summary(run):
         steps_per_min=60 * len(steps) / steps[-1]["wall_s"],
         to_target=reached[0] if reached else None,
         wall=steps[-1]["wall_s"],
+        curve=[(m["wall_s"], m["eval_acc"]) for m in evals],
     )
+
+
+def at_time(curve, t):
+    """pass@1 at the run's last evaluation at or before simulated second t."""
+    return [acc for wall, acc in curve if wall <= t + 1e-9][-1]
 
 
 def table(name, rows):
+    """One row per run: pass@1 at equal steps (the end) and at equal simulated time (the
+    earliest end among the rows, T: each run's last evaluation by then), then where the time went."""
     what, _ = EXPERIMENTS[name]
+    t = min(s["curve"][-1][0] for _, s in rows)
     head = (
-        "| | pass@1 start -> end | s to 0.55 | steps/min | stale tokens | lag | answers spanning a push "
-        "| generator idle or draining | trainer waiting | discarded / recomputed tokens |"
+        f"| | pass@1 start -> end | pass@1 at {t:.0f} s | s to 0.55 | steps/min | stale tokens | lag "
+        "| answers spanning a push | generator idle or draining | trainer waiting | discarded / recomputed tokens |"
     )
-    lines = [f"**{name}**: {what} (simulated seconds)", "", head, "|---" * 10 + "|"]
+    lines = [f"**{name}**: {what} (simulated seconds)", "", head, "|---" * 11 + "|"]
     for label, s in rows:
         lines.append(
-            f"| {label} | {s['start']:.3f} -> {s['final']:.3f} | "
+            f"| {label} | {s['start']:.3f} -> {s['final']:.3f} | {at_time(s['curve'], t):.3f} | "
             + (f"{s['to_target']:.0f}" if s["to_target"] is not None else "-")
             + f" | {s['steps_per_min']:.1f} | {100 * s['stale']:.1f}% | {s['lag']:.2f} | "
             f"{100 * s['spanning']:.0f}% | {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% | "

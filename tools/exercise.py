@@ -4,19 +4,23 @@ written; docs/course.md says how to use them).
 
     .venv/bin/python tools/exercise.py list                  # the exercises: what to write, task, hint
     .venv/bin/python tools/exercise.py make recompute ~/ex   # a student's copy, that exercise's code removed
+    .venv/bin/python tools/exercise.py make all ~/course     # one copy for a whole course: every exercise removed
     .venv/bin/python tools/exercise.py check recompute ~/ex  # its graders against your copy: pass/fail per test
     .venv/bin/python tools/exercise.py check recompute       # ... against this project (they pass)
 
 `make` copies the project (not .venv, out/ or .git, and no answer: not tests/, not this
 file) into DIR, replaces the body of the exercise's function with `raise
-NotImplementedError(<the exercise, in one line>)`, writes EXERCISE.md and links this
-project's .venv into it; a "silent bug" exercise instead changes one line, so that the
-copy runs and learns but is subtly wrong, to be found from the run's own records.
-`check` runs the exercise's graders, tests of this project's own suite, with this venv's
-Python, on DIR's code in a fresh tree that takes tests/ and tools/ from this project (not
-DIR's, nor any conftest.py or pytest configuration of DIR's); a grader passes only if
-junitxml says it ran and passed. Each takes at most about a minute on 2 cores, and none
-depends on timing (they run the Generator and lesson.py, not processes that race).
+NotImplementedError(<the exercise, in one line>)`, and so the bodies of the function
+exercises after it in the course's order (their answers would be in the copy), writes
+EXERCISE.md and links this project's .venv into it; a "silent bug" exercise instead
+changes one line, so that the copy runs and learns but is subtly wrong, to be found from
+the run's own records. `check` runs the exercise's graders, tests of this project's own
+suite, with this venv's Python, on DIR's code in a fresh tree that takes tests/ and tools/
+from this project (not DIR's, nor any conftest.py or pytest configuration of DIR's) and
+every other exercise's code from this project too, so a grade is the exercise's alone; a
+grader passes only if junitxml says it ran and passed, and a failing one prints why. Each
+takes at most about a minute on 2 cores, and none depends on timing (they run the
+Generator and lesson.py, not processes that race).
 """
 
 import argparse
@@ -61,6 +65,18 @@ EXERCISES = {
             "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[icepop-token-False-nonzero]",
         ],
     ),
+    "m2po": dict(
+        where=("grpo.py", "m2po_cutoff"),
+        task="M2PO's mask over a step's tokens, m2 (N,) their (log pi_old/mu)^2: mask the largest, one at a time, "
+        "until the mean of those left is below tau (at least one is kept); return the largest value kept (a token "
+        "tied with it is kept too), or inf if none is masked",
+        hint="sort once, largest first; the mean of what is left after masking k tokens is a mean of a suffix",
+        graders=[
+            "tests/test_losses.py::test_m2po_masks_the_largest_until_the_rest_is_under_tau",
+            "tests/test_losses.py::test_loss_by_hand[m2po]",
+            "tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[m2po-token-False-nonzero]",
+        ],
+    ),
     "record": dict(
         where=("engine.py", "Rollout.record"),
         task="record a step's tokens: their version, logprobs and stale flag (sampled by `version` reading KV older "
@@ -86,12 +102,13 @@ EXERCISES = {
     "max_lag": dict(
         where=("engine.py", "Generator.may_admit"),
         task="admit a group only if it is trained at most max_lag versions after the weights that start it: "
-        "(versions loaded + max_lag + 1) x prompts_per_step groups, + those the pool rejected; only while "
-        "admitting, while the outbox has room, while the KV cache holds one more group",
-        hint="the pool trains groups in admission order; count versions from start_version (a resumed run)",
+        "at most (the version loaded + max_lag + 1) x prompts_per_step groups in all; only while admitting, and "
+        "while the KV cache holds one more group beside the answers in flight",
+        hint="the pool trains groups in admission order: batch b (groups b x P to b x P + P - 1) by step b + 1, "
+        "with version b",
         graders=[
             "tests/test_graders.py::test_max_lag_admission_bound_by_hand",
-            "tests/test_graders.py::test_max_lag_outbox_and_kv_cache_by_hand",
+            "tests/test_graders.py::test_max_lag_kv_cache_by_hand",
             "tests/test_lesson.py::test_max_lag_bounds_the_lag",
             "tests/test_generator.py::test_engine_settings_and_no_preemption",
         ],
@@ -219,41 +236,79 @@ def copy_code(src, dest, leave_out=KEPT_BACK):
     shutil.copytree(src, dest, ignore=ignore, dirs_exist_ok=True)
 
 
-def make(name, dest):
-    """A student's copy of the project in `dest` with exercise `name` in it, and no answer:
-    not the exercise's code, not the tests (graders, references), not this file."""
+def later(name):
+    """The function exercises after `name` in the course's order (EXERCISES): a copy of `name`
+    holds none of their answers either (make stubs them; check grades with the project's)."""
+    names = list(EXERCISES)
+    return [n for n in names[names.index(name) + 1 :] if "where" in EXERCISES[n]]
+
+
+def stub(dest, name):
+    """Exercise `name` out of the copy at `dest`: its function's body removed, or its silent bug put in."""
     ex = EXERCISES[name]
-    if os.path.exists(dest) and os.listdir(dest):
-        sys.exit(f"exercise.py: {dest} exists and is not empty; give a new directory")
-    copy_code(ROOT, dest)
     if "where" in ex:
         remove(os.path.join(dest, ex["where"][0]), ex["where"][1], ex["task"])
     else:
         replace(os.path.join(dest, ex["silent"][0]), ex["silent"][1], ex["silent"][2])
+
+
+def make(name, dest):
+    """A student's copy of the project in `dest` with exercise `name` in it, and no answer:
+    not the exercise's code, not a later function exercise's (each stubbed as its own
+    exercise would be), not the tests (graders, references), not this file. name "all":
+    every function exercise stubbed, one tree for a whole course (the silent bugs, which need
+    the rest written, are handed out as their own copies after)."""
+    if os.path.exists(dest) and os.listdir(dest):
+        sys.exit(f"exercise.py: {dest} exists and is not empty; give a new directory")
+    copy_code(ROOT, dest)
+    names = [n for n in EXERCISES if "where" in EXERCISES[n]] if name == ALL else [name, *later(name)]
+    for n in names:
+        stub(dest, n)
     if os.path.exists(os.path.join(ROOT, ".venv")):  # the project's venv, so that .venv/bin/python runs in the copy
         os.symlink(os.path.realpath(os.path.join(ROOT, ".venv")), os.path.join(dest, ".venv"))
     text = (
-        f"# Exercise {name}\n\n{describe(name)}\n\nThe graders are not in this copy: "
-        f"from the project, `.venv/bin/python tools/exercise.py check {name} {dest}`.\n"
+        f"# Exercise {name}\n\n{describe(name)}\n\n{stubbed_text(names[1:] if name != ALL else names)}"
+        f"The graders are not in this copy: from the project, `.venv/bin/python tools/exercise.py check NAME {dest}`.\n"
     )
     open(os.path.join(dest, "EXERCISE.md"), "w").write(text)
     print(
         f"{dest}: exercise {name}\n{describe(name)}\n  check (from the project): "
-        f"{sys.executable} {os.path.join(ROOT, 'tools', 'exercise.py')} check {name} {dest}"
+        f"{sys.executable} {os.path.join(ROOT, 'tools', 'exercise.py')} check {name if name != ALL else 'NAME'} {dest}"
+    )
+
+
+ALL = "all"  # make all DIR: one course tree
+
+
+def stubbed_text(names):
+    """What EXERCISE.md says of the other exercises stubbed in the copy."""
+    if not names:
+        return ""
+    where = ", ".join(f"`{EXERCISES[n]['where'][1]}` ({n})" for n in names)
+    return (
+        f"Also stubbed here, as exercises of their own: {where}. lesson.py and train.py call some of them, so "
+        "they run in this copy once those are written too; until then, the graders (`check`) test your answer "
+        "with the project's code in their place.\n\n"
     )
 
 
 def describe(name):
     """What `list` and the copy's EXERCISE.md say of an exercise: the one source of its task and hint."""
+    if name == ALL:
+        return "  every function exercise, in the course's order:\n" + "\n".join(
+            describe(n) for n in EXERCISES if "where" in EXERCISES[n]
+        )
     ex = EXERCISES[name]
     where = ": ".join(ex["where"]) if "where" in ex else f"{ex['silent'][0]} (a silent bug)"
     return f"  write: {where}\n  task: {ex['task']}\n  hint: {ex['hint']}"
 
 
-def grading_tree(where, dest):
+def grading_tree(where, dest, exercise=None):
     """`dest`: the code of the copy `where` with this project's tests and tools (and no
     pytest configuration or conftest.py of the copy's), so that nothing edited in the copy
-    but its code changes a grade."""
+    but its code changes a grade; with `exercise`, every other exercise's code is the
+    project's (restore), so that a grade is the exercise's alone, whatever else the copy
+    holds (later exercises stubbed, a silent bug)."""
 
     def ignore(d, names):
         top = os.path.samefile(d, where)
@@ -262,6 +317,53 @@ def grading_tree(where, dest):
     shutil.copytree(where, dest, ignore=ignore)
     for d in GRADING:
         shutil.copytree(os.path.join(ROOT, d), os.path.join(dest, d), ignore=shutil.ignore_patterns(*SKIP))
+    for other in EXERCISES if exercise else ():
+        if other != exercise and not overlap(other, exercise):
+            restore(dest, other)
+
+
+def region(name):
+    """(file, first line, end line) of exercise `name`'s code in the project: its function's
+    body, or a silent bug's right line."""
+    ex = EXERCISES[name]
+    if "silent" in ex:
+        path, right, _ = ex["silent"]
+        text = open(os.path.join(ROOT, path)).read()
+        first = text[: text.index(right)].count("\n")
+        return path, first, first + right.count("\n") + 1
+    path, qualname = ex["where"]
+    return (path, *body_lines(os.path.join(ROOT, path), qualname)[:2])
+
+
+def overlap(a, b):
+    """Whether exercises a and b touch the same lines (silent_stale's line is in Rollout.record,
+    the record exercise's function): restoring one would undo the other's code."""
+    (pa, a0, a1), (pb, b0, b1) = region(a), region(b)
+    return pa == pb and a0 < b1 and b0 < a1
+
+
+def restore(dest, name):
+    """Exercise `name`'s code in the tree at `dest` as the project has it (a body the copy
+    stubbed, or a silent bug's line), if the copy has its function or line at all."""
+    ex = EXERCISES[name]
+    if "silent" in ex:
+        path, right, bug = ex["silent"]
+        text = open(os.path.join(dest, path)).read()
+        if text.count(bug) == 1:
+            open(os.path.join(dest, path), "w").write(text.replace(bug, right))
+        return
+    path, qualname = ex["where"]
+    try:
+        start, end, _ = body_lines(os.path.join(dest, path), qualname)
+    except (StopIteration, SyntaxError):  # not there, or a copy that does not parse: its graders will say
+        return
+    a, b, _ = body_lines(os.path.join(ROOT, path), qualname)
+    lines, project = (
+        open(os.path.join(dest, path)).read().split("\n"),
+        open(os.path.join(ROOT, path)).read().split("\n"),
+    )
+    lines[start:end] = project[a:b]
+    open(os.path.join(dest, path), "w").write("\n".join(lines))
 
 
 PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-c", os.devnull]
@@ -288,23 +390,28 @@ for tree, report, graders in json.loads(sys.argv[1]):
 """
 
 
-def outcomes(report, graders):
+def outcomes(report, graders, messages=None):
     """{grader: passed} from a junitxml report: passed only if it ran and neither failed,
-    errored nor was skipped; a grader the report lacks (deselected, not collected) failed."""
+    errored nor was skipped; a grader the report lacks (deselected, not collected) failed.
+    messages, a dict, gets each grader's failure message (pytest's assertion, first lines)."""
     import xml.etree.ElementTree as ET
 
-    ran = {}
+    ran, why = {}, {}
     if os.path.exists(report):
         for case in ET.parse(report).iter("testcase"):
-            ran[(tuple(case.get("classname", "").split(".")), case.get("name"))] = not any(
-                c.tag in ("failure", "error", "skipped") for c in case
-            )
+            key = (tuple(case.get("classname", "").split(".")), case.get("name"))
+            bad = [c for c in case if c.tag in ("failure", "error", "skipped")]
+            ran[key] = not bad
+            if bad:
+                why[key] = (bad[0].get("message") or bad[0].tag).strip()
     results = {}
     for g in graders:
         path, *names = g.split("::")
         cls, name = tuple(path[:-3].split("/")) + tuple(names[:-1]), names[-1]
-        cases = [ok for (c, n), ok in ran.items() if c == cls and (n == name or n.startswith(name + "["))]
-        results[g] = bool(cases) and all(cases)  # a parametrized test without its parameters: all of them
+        keys = [(c, n) for (c, n) in ran if c == cls and (n == name or n.startswith(name + "["))]
+        results[g] = bool(keys) and all(ran[k] for k in keys)  # a parametrized test without its parameters: all
+        if messages is not None and not results[g]:
+            messages[g] = "; ".join(why[k][:600] for k in keys if k in why) or "not run (not collected: see above)"
     return results
 
 
@@ -313,15 +420,17 @@ def env():
     return dict(e, PYTHONDONTWRITEBYTECODE="1")
 
 
-def check(graders, where):
+def check(graders, where, exercise=None, messages=None):
     """Run `graders` (test ids) against the code in `where` with this Python; returns {test id:
-    passed}. The tests are this project's (see grading_tree), run in a copy; a grader that does
-    not pass (failed, errored, skipped, deselected, not collected) counts as failed."""
+    passed}. The tests are this project's (see grading_tree; with `exercise`, every other
+    exercise's code is the project's too), run in a copy; a grader that does not pass
+    (failed, errored, skipped, deselected, not collected) counts as failed, and `messages`
+    (a dict) gets why."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
         tree, report = os.path.join(tmp, "tree"), os.path.join(tmp, "report.xml")
-        grading_tree(where, tree)
+        grading_tree(where, tree, exercise)
         r = subprocess.run(
             [
                 sys.executable,
@@ -340,21 +449,21 @@ def check(graders, where):
             text=True,
             env=env(),
         )
-        results = outcomes(report, graders)
+        results = outcomes(report, graders, messages)
     if not any(results.values()):
         print(r.stdout[-2000:] + r.stderr[-2000:], file=sys.stderr)
     return results
 
 
-def check_many(graders, wheres):
-    """check(graders, where) for each of `wheres`, each in its own forked pytest (POSIX only)."""
+def check_many(graders, wheres, exercise=None):
+    """check(graders, where, exercise) for each of `wheres`, each in its own forked pytest (POSIX only)."""
     import json
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
         jobs = []
         for i, where in enumerate(wheres):
-            grading_tree(where, os.path.join(tmp, str(i)))
+            grading_tree(where, os.path.join(tmp, str(i)), exercise)
             jobs.append([os.path.join(tmp, str(i)), os.path.join(tmp, f"{i}.xml"), graders])
         subprocess.run(
             [sys.executable, "-c", MANY, json.dumps(jobs), *PYTEST_ARGS],
@@ -372,8 +481,8 @@ def main():
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the exercises")
-    m = sub.add_parser("make", help="a copy of the project with an exercise's code removed")
-    m.add_argument("name", choices=sorted(EXERCISES))
+    m = sub.add_parser("make", help="a copy of the project with an exercise's code removed (all: every one)")
+    m.add_argument("name", choices=sorted(EXERCISES) + [ALL])
     m.add_argument("dir")
     c = sub.add_parser("check", help="an exercise's graders against a copy (default: this project)")
     c.add_argument("name", choices=sorted(EXERCISES))
@@ -385,9 +494,13 @@ def main():
     elif args.cmd == "make":
         make(args.name, os.path.abspath(os.path.expanduser(args.dir)))
     else:
-        results = check(EXERCISES[args.name]["graders"], os.path.abspath(os.path.expanduser(args.dir)))
+        messages = {}
+        where = os.path.abspath(os.path.expanduser(args.dir))
+        results = check(EXERCISES[args.name]["graders"], where, args.name, messages)
         for test, ok in results.items():
             print(f"{'pass' if ok else 'FAIL'}  {test}")
+            if not ok:
+                print("      " + messages[test].replace("\n", "\n      "))
         print(f"{sum(results.values())}/{len(results)} graders pass")
         sys.exit(0 if all(results.values()) else 1)
 

@@ -18,8 +18,9 @@ from exercise_mutants import ACCEPTED, CHEAP, MUTANTS
 from tools.exercise import EXERCISES, ROOT, SKIP, check, check_many, copy_code, find, later, make, replace
 
 
-@pytest.mark.fast
 def test_every_grader_passes_on_the_project():
+    """Every exercise's graders on the project's own code (the fast tier runs the cheap ones:
+    test_the_cheap_graders_are_the_exercises_and_pass)."""
     graders = sorted({g for ex in EXERCISES.values() for g in ex["graders"]})
     results = check(graders, ROOT)
     assert results and all(results.values()), [t for t, ok in results.items() if not ok]

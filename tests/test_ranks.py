@@ -127,9 +127,7 @@ def grads_job(out, losses, checkpointing):
     ranks.stop()
 
 
-@pytest.mark.parametrize(
-    "losses, checkpointing", [("tis", "off"), ("ppo,none,icepop,geo,cispo,gspo,m2po", "off"), ("tis", "on")]
-)
+@pytest.mark.parametrize("losses, checkpointing", [("tis,ppo,none,icepop,geo,cispo,gspo,m2po", "off"), ("tis", "on")])
 def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, tmp_path):
     """The loss is the token-level mean over the whole batch whatever the ranks: the
     gradient gathered from 2 FSDP2 ranks over a split batch equals one process's on the

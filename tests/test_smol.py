@@ -116,11 +116,14 @@ def test_token_ids_round_trip():
     assert (logp - behaviour).abs().max() < TOL
 
 
-@pytest.mark.parametrize("regime", ["sync", "drain", "discard", "stale", "recompute"])
+@pytest.mark.parametrize("regime", ["stale", "recompute"])
 def test_end_to_end(regime, tmp_path):
     """train.py on the gsm8k fixture, chat-template prompts and the gsm8k reward, two
     optimizer steps; the run directory and the regime's invariants as test_smoke checks
-    them. Small on purpose: 2 prompts x 2 answers of <= 24 tokens, 2 eval problems."""
+    them. Small on purpose: 2 prompts x 2 answers of <= 24 tokens, 2 eval problems. The two
+    regimes that keep a half-written answer's KV (stale reads it, recompute rebuilds it): what
+    a real tokenizer and a 30-layer model could break. sync, drain and discard never carry
+    KV across versions; their runs are test_smoke.py's, with the same checks (check_run)."""
     run = str(tmp_path / regime)
     train(
         *SMOL,

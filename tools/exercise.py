@@ -457,12 +457,18 @@ def check(graders, where, exercise=None, messages=None):
 
 def check_many(graders, wheres, exercise=None):
     """check(graders, where, exercise) for each of `wheres`, each in its own forked pytest (POSIX only)."""
+    return check_jobs([(graders, where, exercise) for where in wheres])
+
+
+def check_jobs(todo):
+    """check(graders, where, exercise) for each (graders, where, exercise) of `todo`, each in
+    its own pytest forked from one Python that imported the libraries once (POSIX only)."""
     import json
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="exercise-check-") as tmp:
         jobs = []
-        for i, where in enumerate(wheres):
+        for i, (graders, where, exercise) in enumerate(todo):
             grading_tree(where, os.path.join(tmp, str(i)), exercise)
             jobs.append([os.path.join(tmp, str(i)), os.path.join(tmp, f"{i}.xml"), graders])
         subprocess.run(
@@ -472,7 +478,7 @@ def check_many(graders, wheres, exercise=None):
             text=True,
             env=env(),
         )
-        return [outcomes(report, graders) for _, report, _ in jobs]
+        return [outcomes(report, graders) for _, report, graders in jobs]
 
 
 def main():

@@ -93,7 +93,6 @@ def test_the_copy_holds_no_answer(name, tmp_path):
             assert not kept[x], f"the copy of {name} holds {n}'s {x!r}"
 
 
-@pytest.mark.fast
 def test_a_course_copy_stubs_every_exercise_and_grades_each_alone(tmp_path):
     """make all: every function exercise stubbed, each graded alone (the others' code is the
     project's during grading): an answer written in it passes its own cheap graders while
@@ -111,7 +110,6 @@ def test_a_course_copy_stubs_every_exercise_and_grades_each_alone(tmp_path):
     assert not any(check(CHEAP["loss"], str(copy), "loss").values())
 
 
-@pytest.mark.fast
 def test_check_ignores_the_copys_tests_and_counts_a_skip_as_a_fail(tmp_path):
     """A conftest.py that passes every test, dropped into the copy and into its tests/,
     and tests/ edited to pass: `check` still runs the project's graders, which fail. A
@@ -175,7 +173,6 @@ def test_the_cheap_graders_are_the_exercises_and_pass():
     assert all(check(graders, ROOT).values())
 
 
-@pytest.mark.fast
 def test_check_prints_why_a_grader_fails(tmp_path):
     """`check` on a copy where one grader of several fails prints that grader's assertion, so
     a student who has no tests in the copy can act on it."""

@@ -2,7 +2,8 @@
 Every regime end to end through train.py, as a user runs it: a few steps on CPU with
 the tiny model, then the run directory is checked against its contract (runlog.py's
 docstring) and the regime's invariants against metrics.jsonl (tests/helpers.py's check_run,
-which test_smol.py and test_ranks.py use too). Also: Ctrl-C, a killed generator
+which test_smol.py and test_train.py::test_gpu_check_on_cpu use too); the stale run's answers figure and
+wasted-work ledger against its files. Also: Ctrl-C, a killed generator
 (resume: test_reliability.py, after a kill -9).
 
     .venv/bin/python -m pytest -q test_smoke.py
@@ -41,9 +42,12 @@ def test_regime_end_to_end(regime, tmp_path):
     run = str(tmp_path / regime)
     # the one run that plots also turns the format reward on, so its line is drawn (tiny never boxes: 0)
     plot = ["--format-reward", "0.5", "--tensorboard"] if regime == "recompute" else ["--no-plot"]
-    loss = ["--loss", "gspo", "--minibatches", "2"] if regime == "stale" else []  # several steps per batch
-    train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *plot, *loss)
-    check_run(run, regime, steps=3)  # the run directory's contract, the regime's invariants
+    # stale: several optimizer steps per batch, and long answers (in flight at the pushes) for the figure
+    stale = ["--loss", "gspo", "--minibatches", "2", "--steps", "4", "--synth-steps", "8", "--max-new-tokens", "96"]
+    r = train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *plot, *(stale if regime == "stale" else []))
+    check_run(run, regime, steps=4 if regime == "stale" else 3)  # the run directory's contract, the regime's invariants
+    if regime == "stale":
+        check_answers_figure_and_ledger(run, r.stdout)
     if regime == "recompute":  # --tensorboard: the same numbers as metrics.jsonl, read back
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -56,6 +60,37 @@ def test_regime_end_to_end(regime, tmp_path):
             assert [s for s, _ in got] == [s for s, _ in want] and all(
                 abs(a - b) < 1e-6 for (_, a), (_, b) in zip(got, want)
             ), (key, got, want)
+
+
+def check_answers_figure_and_ledger(run, stdout):
+    """The answers figure's lanes and the wasted-work ledger, checked against the run's own files."""
+    import json
+
+    from plot import plot_answers
+    from runlog import read_jsonl
+
+    assert "wasted-work ledger" in stdout
+    path, (sel,) = plot_answers([run], lanes=10)
+    assert os.path.getsize(path) > 10_000
+    answers = read_jsonl(os.path.join(run, "answers.jsonl"))
+    assert 0 < len(sel["answers"]) <= 10 and sel["switch"]["version"] >= 2
+    push = sel["switch"]["push"]  # the trainer's last "syncing" before the load
+    assert push == max(
+        e["t"]
+        for e in read_jsonl(os.path.join(run, "events.jsonl"))
+        if e.get("what") == "syncing" and e["t"] <= sel["switch"]["t0"]
+    )
+    alive = [a for a in answers if a["admitted"] < push < a["finished"]]
+    ids, alive = {a["sample_id"] for a in sel["answers"]}, {a["sample_id"] for a in alive}
+    assert alive and (alive <= ids if len(alive) <= 10 else ids <= alive)  # the rule: answers alive first
+    for a in sel["answers"]:
+        assert sum(seg[3] for seg in a["segments"]) == a["tokens"]
+    led = json.load(open(os.path.join(run, "ledger.json")))
+    tok = led["tokens"]
+    assert tok["trained"] == sum(a["tokens"] for a in answers if a["fate"] == "consumed")
+    assert tok["generated"] == tok["trained"] + tok["discarded"] + tok["rejected"] + tok["left_over"]
+    shares = {p: sum(d.values()) / led["total_s"] for p, d in led["seconds"].items()}
+    assert 0.9 < shares["trainer"] <= 1.0001, shares  # the trainer's activities cover the run
 
 
 def start_train(run):

@@ -460,12 +460,13 @@ def check_run(run, regime, steps):
         assert m["trained_tokens"] > 0 and 0 <= m["reward_mean"] <= 1 and 0 <= m["boxed_frac"] <= 1
         assert 0 <= m["truncated_frac"] <= 1 and 0 <= m["loss_tokens"] <= m["trained_tokens"]
         assert m["lag_max"] <= cfg["max_lag"]  # config.json: what the run used (sync: 0)
-    assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
-    evals = read(run, "eval_answers.jsonl")  # every evaluation's answers, graded as eval_acc counts them
-    for m in read(run, "metrics.jsonl"):
-        if "eval_acc" in m:
-            mine = [a for a in evals if a["step"] == m["step"]]
-            assert len(mine) == cfg["eval_n"] and sum(a["right"] for a in mine) / len(mine) == m["eval_acc"]
+    if cfg["eval_every"]:  # (tools/gpu_check.py's runs evaluate nothing)
+        assert "eval_acc" in metrics[-1] and "eval_acc" in read(run, "metrics.jsonl")[0]
+        evals = read(run, "eval_answers.jsonl")  # every evaluation's answers, graded as eval_acc counts them
+        for m in read(run, "metrics.jsonl"):
+            if "eval_acc" in m:
+                mine = [a for a in evals if a["step"] == m["step"]]
+                assert len(mine) == cfg["eval_n"] and sum(a["right"] for a in mine) / len(mine) == m["eval_acc"]
     # an evaluation measures the weights pushed after its step: eval_version = version + 1
     assert all(m["eval_version"] == m["version"] + 1 for m in metrics if "eval_acc" in m)
     assert [m["version"] for m in metrics] == list(range(steps))
@@ -502,8 +503,11 @@ def check_run(run, regime, steps):
         assert all(m["discarded_tokens"] == 0 for m in metrics)
     if regime != "recompute":
         assert all(m["recomputed_tokens"] == 0 for m in metrics)
-    else:
+    elif not cfg["no_plot"]:
         assert os.path.exists(os.path.join(run, "run.png"))
+    if n > 1:  # engine i writes the groups i mod 2
+        assert {a["engine"] for a in answers} == set(range(n))
+        assert all(a["group_id"] % n == a["engine"] for a in answers)
 
 
 # -----------------------------------------------------------------------------

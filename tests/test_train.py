@@ -16,7 +16,7 @@ import torch
 
 import grpo
 import checkpoint
-from helpers import LOSS_CFG, batch_of, small_model, with_logprobs
+from helpers import LOSS_CFG, ROOT, batch_of, small_model, with_logprobs
 
 
 def reference_grads(cfg, model, batch, adv):
@@ -264,23 +264,27 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
     assert all(v.device.type == "cpu" for st in opt2.state.values() for v in st.values() if torch.is_tensor(v))
 
 
-def test_gpu_check_on_cpu():
+def test_gpu_check_on_cpu(tmp_path):
     """tools/gpu_check.py, the GPU user's first command, run here with the tiny model and
     its multi-GPU checks: the device layout, the sync check to 2 engines, and a regime under
-    torchrun with 2 trainer ranks and 2 engines, pass (every regime: test_smoke.py,
-    tests/test_ranks.py)."""
+    torchrun with 2 trainer ranks and 2 engines, pass; that regime's run directory is then
+    checked as test_smoke.py checks a run (tests/helpers.py's check_run): train.py end to
+    end with 2 ranks and 2 engines (the other regimes and a resume under torchrun:
+    test_smoke.py, tests/test_ranks.py)."""
+    from helpers import check_run
+
     r = subprocess.run(
         [
             sys.executable,
-            "tools/gpu_check.py",
+            os.path.join(ROOT, "tools", "gpu_check.py"),
             "--model",
             "tiny",
             "--dataset",
             "synth",
             "--steps",
-            "2",
+            "3",
             "--regimes",
-            "recompute",
+            "stale",
             "--engines",
             "2",
             "--ranks",
@@ -290,10 +294,14 @@ def test_gpu_check_on_cpu():
         capture_output=True,
         text=True,
         timeout=900,
+        cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("[PASS]") == 3 and "3/3 checks passed" in r.stdout
     assert "[PASS] devices: generator cpu, cpu; trainer ranks cpu, cpu" in r.stdout
+    run = tmp_path / "out" / "gpu_check" / "stale"
+    check_run(str(run), "stale", steps=3)
+    assert os.path.isdir(run / "ckpt" / "optimizer")  # the ranks' optimizer shards
 
 
 @pytest.mark.fast

@@ -9,6 +9,7 @@ wasted-work ledger against its files. Also: Ctrl-C, a killed generator
     .venv/bin/python -m pytest -q test_smoke.py
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -42,10 +43,11 @@ def test_regime_end_to_end(regime, tmp_path):
     run = str(tmp_path / regime)
     # the one run that plots also turns the format reward on, so its line is drawn (tiny never boxes: 0)
     plot = ["--format-reward", "0.5", "--tensorboard"] if regime == "recompute" else ["--no-plot"]
-    # stale: several optimizer steps per batch, and long answers (in flight at the pushes) for the figure
-    stale = ["--loss", "gspo", "--minibatches", "2", "--steps", "4", "--synth-steps", "8", "--max-new-tokens", "96"]
-    r = train("--regime", regime, "--out", run, "--steps", "3", *SMALL, *plot, *(stale if regime == "stale" else []))
-    check_run(run, regime, steps=4 if regime == "stale" else 3)  # the run directory's contract, the regime's invariants
+    steps, stale = 3, []
+    if regime == "stale":  # several optimizer steps per batch; long answers (in flight at the pushes) for the figure
+        steps, stale = 4, ["--loss", "gspo", "--minibatches", "2", "--synth-steps", "8", "--max-new-tokens", "96"]
+    r = train("--regime", regime, "--out", run, "--steps", str(steps), *SMALL, *plot, *stale)  # later flags win
+    check_run(run, regime, steps)  # the run directory's contract (the ledger's sums too), the regime's invariants
     if regime == "stale":
         check_answers_figure_and_ledger(run, r.stdout)
     if regime == "recompute":  # --tensorboard: the same numbers as metrics.jsonl, read back
@@ -63,9 +65,8 @@ def test_regime_end_to_end(regime, tmp_path):
 
 
 def check_answers_figure_and_ledger(run, stdout):
-    """The answers figure's lanes and the wasted-work ledger, checked against the run's own files."""
-    import json
-
+    """The answers figure's lanes, and the wasted-work ledger's line and time shares (its token
+    sums: check_run), checked against the run's own files."""
     from plot import plot_answers
     from runlog import read_jsonl
 
@@ -86,9 +87,6 @@ def check_answers_figure_and_ledger(run, stdout):
     for a in sel["answers"]:
         assert sum(seg[3] for seg in a["segments"]) == a["tokens"]
     led = json.load(open(os.path.join(run, "ledger.json")))
-    tok = led["tokens"]
-    assert tok["trained"] == sum(a["tokens"] for a in answers if a["fate"] == "consumed")
-    assert tok["generated"] == tok["trained"] + tok["discarded"] + tok["rejected"] + tok["left_over"]
     shares = {p: sum(d.values()) / led["total_s"] for p, d in led["seconds"].items()}
     assert 0.9 < shares["trainer"] <= 1.0001, shares  # the trainer's activities cover the run
 

@@ -447,6 +447,19 @@ def read(run, name):
         return [json.loads(line) for line in f]
 
 
+def check_engines(run, n):
+    """The run's processes are the trainer and its n engines; with several engines, each
+    wrote answers, and engine i only the groups i mod n."""
+    assert {e["proc"] for e in read(run, "events.jsonl")} == {
+        "trainer",
+        *(["generator"] if n == 1 else [f"generator{i}" for i in range(n)]),
+    }
+    if n > 1:
+        answers = read(run, "answers.jsonl")
+        assert {a["engine"] for a in answers} == set(range(n))
+        assert all(a["group_id"] % n == a["engine"] for a in answers)
+
+
 def check_run(run, regime, steps):
     """The run directory against its contract (runlog.py), and the regime's invariants
     against its metrics (test_smoke.py, test_smol.py and test_ranks.py check their runs with it)."""
@@ -472,10 +485,7 @@ def check_run(run, regime, steps):
     assert [m["version"] for m in metrics] == list(range(steps))
     events = read(run, "events.jsonl")
     n = cfg.get("engines", 1)
-    assert {e["proc"] for e in events} == {
-        "trainer",
-        *(["generator"] if n == 1 else [f"generator{i}" for i in range(n)]),
-    }
+    check_engines(run, n)
     assert {e["what"] for e in events if "what" in e} <= ACTIVITIES  # the others are marks (plot.py)
     assert any(e.get("what") == "loading" for e in events)
     for proc in {e["proc"] for e in events} - {"trainer"}:  # each engine loads each version once, in order
@@ -505,9 +515,6 @@ def check_run(run, regime, steps):
         assert all(m["recomputed_tokens"] == 0 for m in metrics)
     elif not cfg["no_plot"]:
         assert os.path.exists(os.path.join(run, "run.png"))
-    if n > 1:  # engine i writes the groups i mod 2
-        assert {a["engine"] for a in answers} == set(range(n))
-        assert all(a["group_id"] % n == a["engine"] for a in answers)
 
 
 # -----------------------------------------------------------------------------

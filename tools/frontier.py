@@ -1,32 +1,46 @@
 """
 How far ahead should the generator run? The staleness frontier on lesson.py's simulated clock:
 pass@1 at equal simulated time and at equal steps, steps per minute, lag and the off-policy
-measures, over --max-lag (AReaL's eta), at two speeds of the trainer against the generator and two
-learning rates, per loss. A rerun gives the same files (the clock is simulated).
+measures, over --max-lag (AReaL's eta), at two speeds of the trainer against the generator, at
+the learning rate where staleness bites, per loss; then stale KV against recompute where a third
+of the trained tokens would read stale KV. A rerun gives the same files (the clock is simulated).
 
-    .venv/bin/python tools/frontier.py                  # the grid below (144 runs, ~3 hours on 2 cores)
+    .venv/bin/python tools/frontier.py                  # the grid below (90 runs, ~1.5 hours on 2 cores)
+    .venv/bin/python tools/frontier.py --pilot          # then the stale-KV pilot (30 runs, ~30 minutes)
     .venv/bin/python tools/frontier.py --table-only     # the tables from the runs on disk
     .venv/bin/python tools/frontier.py --figure         # docs/frontier.png, from the runs on disk
 
 The runs. `lesson.py --preset long --regime recompute` (AReaL's regime: the KV of a half-written
 answer rebuilt under the new weights), 40 steps, pass@1 every 5 steps, seeds 0-2, each pinned to
-one core, --jobs at once (tools/stress.py's launch). --max-lag 0 is `--regime sync`, one batch per
-version. The cells (BLOCKS, ETAS, LOSSES below):
+one core, --jobs at once (tools/stress.py's launch), block by block. --max-lag 0 is `--regime
+sync`, one batch per version. The cells (BLOCKS, ETAS, LOSSES below):
 
     block                                  | eta               | losses          | seeds
     trainer x1 (--train-s 1.16e-4), lr x4  | 0 1 2 4 8 16      | none ppo BEST   | 0-2
-    trainer x4 (--train-s 4.64e-4), lr x4  | 0 1 2 4 8 16      | none ppo BEST   | 0-2
-    trainer x1, lr x1 (the preset's 6e-5)  | 0 1 2 4 8 16      | none ppo        | 0-2
+    trainer x4 (--train-s 4.64e-4), lr x4  | 0 1 2 4 8 16      | none ppo        | 0-2
 
 The default costs (trainer x1) make generation the slower side; trainer x4 makes training the
 slower side, as at the stress experiment's setting (tools/stress.py). lr x4 (--lr 2.4e-4) is where
-staleness bites (the stress pilot: the naive loss collapses at --max-lag 8); lr x1 is the preset's.
+staleness bites (the stress pilot: the naive loss collapses at --max-lag 8).
 `none` is the naive loss (mu ignored; AReaL's Table 2 "without the decoupled objective" is PPO
 against the behaviour policy, the same when a batch takes one optimizer step); `ppo` is AReaL's
 decoupled PPO; BEST is the stress experiment's best correction by its own rule (tools/stress.py
-holds, at max-lag 8, trainer x4, lr x4). Dropped, to fit about 2.5 hours of two cores (a full
-grid, 198 runs, would take ~4): the preset's learning rate at trainer x4, and BEST at the
-preset's learning rate, where the stress pilot found the naive loss holding (at --max-lag 2).
+holds, at max-lag 8, trainer x4, lr x4). Dropped, to fit one session's 3 hours with the pilot and
+a CI run (a run takes ~2 minutes of one core; the full grid, 198 runs, would take ~3.5 hours of
+both): BEST at trainer x4 (the stress experiment measured it there, at eta 8), and the preset's
+learning rate (lr x1), where the stress pilot found the naive loss holding (at --max-lag 2).
+
+The stale-KV pilot (--pilot), its setting chosen by this rule before it runs: of the block
+trainer-x1-lr-x4 (at trainer x4 only 9-13% of the trained tokens were stale in the stress runs),
+the lowest --max-lag of 1 and 2 whose recompute runs rebuilt at least 30% of the trained tokens
+(the mean of `recomputed` over none's three seeds: those tokens would have read stale KV under
+`stale`). There, `--regime stale` against `--regime recompute`, each with `none`, `tis` and BEST,
+seeds 0-4, the same flags as the frontier's cells otherwise (its recompute runs are those cells
+run again: their answers.jsonl must be identical). Reported: stale - recompute per loss, paired
+by seed, at step 40 and at equal time (the earliest end of the pilot's runs), with the 95% t
+interval and its half-width (the smallest difference five seeds could have shown); and in the
+stale runs, KL(mu||pi) and ESS of the tokens that read stale KV beside the fresh tokens at the
+same lag (grpo.SPLITS), so the cache's own share of the mismatch is measured per token.
 
 The rules, written before the first run:
 - Equal time: within a block, T = the earliest end (last evaluation's simulated second) of any
@@ -55,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from course import finished  # noqa: E402
 from stress import at_time, launch, ms, read_run  # noqa: E402
 from sweep import t_interval  # noqa: E402
+from runlog import read_jsonl  # noqa: E402
 
 SEEDS = (0, 1, 2)
 ETAS = (0, 1, 2, 4, 8, 16)
@@ -62,10 +77,9 @@ BASE = ("--preset", "long", "--regime", "recompute", "--steps", "40", "--eval-ev
 TRAIN_S = {"x1": 1.16e-4, "x4": 4.64e-4}  # lesson.py's default, and 4x it
 LR = {"x1": 6e-5, "x4": 2.4e-4}  # the long preset's, and 4x it
 BEST = "gspo"  # the stress experiment's best correction by its rule (RESULTS.md); set before the first run
-BLOCKS = {  # name -> (trainer speed, learning rate, losses)
+BLOCKS = {  # name -> (trainer speed, learning rate, losses); run in this order
     "trainer-x1-lr-x4": ("x1", "x4", ("none", "ppo", BEST)),
-    "trainer-x4-lr-x4": ("x4", "x4", ("none", "ppo", BEST)),
-    "trainer-x1-lr-x1": ("x1", "x1", ("none", "ppo")),
+    "trainer-x4-lr-x4": ("x4", "x4", ("none", "ppo")),
 }
 
 
@@ -80,14 +94,99 @@ def flags(block, loss, eta, seed):
 
 
 def plan(out):
-    """Every (flags, run directory) of the grid, seed by seed (a grid cut short has every cell's first seeds)."""
+    """Every (flags, run directory) of the grid, block by block, seed by seed within a block."""
     return [
         (flags(block, loss, eta, seed), run_dir(out, block, loss, eta, seed))
-        for seed in SEEDS
         for block, (_, _, losses) in BLOCKS.items()
+        for seed in SEEDS
         for loss in losses
         for eta in ETAS
     ]
+
+
+PILOT_SEEDS = (0, 1, 2, 3, 4)
+PILOT_LOSSES = ("none", "tis", BEST)
+PILOT_BLOCK = "trainer-x1-lr-x4"
+
+
+def pilot_eta(out):
+    """The pilot's --max-lag by the rule (docstring): the lowest of 1, 2 whose recompute `none`
+    runs rebuilt >= 30% of the trained tokens; None when those runs are not finished or neither does."""
+    for eta in (1, 2):
+        runs = [run_dir(out, PILOT_BLOCK, "none", eta, s) for s in SEEDS]
+        if not all(finished(r) for r in runs):
+            return None
+        if statistics.mean(read_run(r)["recomputed"] for r in runs) >= 0.30:
+            return eta
+    return None
+
+
+def pilot_dir(out, regime, loss, seed):
+    return os.path.join(out, "pilot", f"{regime}-{loss}-s{seed}")
+
+
+def pilot_plan(out, eta):
+    """The pilot's (flags, run directory): the frontier cell's flags with --regime stale or recompute."""
+    todo = []
+    for seed in PILOT_SEEDS:
+        for loss in PILOT_LOSSES:
+            for regime in ("stale", "recompute"):
+                f = list(flags(PILOT_BLOCK, loss, eta, seed))
+                f[f.index("--regime") + 1] = regime
+                todo.append((tuple(f), pilot_dir(out, regime, loss, seed)))
+    return todo
+
+
+def pilot_table(out, eta):
+    """stale - recompute per loss (paired by seed, at step 40 and at equal time), and the stale
+    runs' per-token KL and ESS of stale-KV tokens beside fresh ones at the same lag."""
+    runs = {
+        (regime, loss): [pilot_dir(out, regime, loss, s) for s in PILOT_SEEDS]
+        for regime in ("stale", "recompute")
+        for loss in PILOT_LOSSES
+    }
+    if not all(finished(r) for rs in runs.values() for r in rs):
+        return "(the pilot's runs are not all finished)"
+    data = {k: [read_run(r) for r in rs] for k, rs in runs.items()}
+    t = min(r["curve"][-1][1] for rs in data.values() for r in rs)
+    lines = [
+        f"Stale KV against recompute at `--max-lag {eta}` (block {PILOT_BLOCK}), seeds "
+        f"{PILOT_SEEDS[0]}-{PILOT_SEEDS[-1]}; equal time T = {t:.0f} simulated s; stale - recompute in points, "
+        "paired by seed (95% t interval; ± its half-width, the smallest difference the seeds could show)",
+        "",
+        "| loss | stale at step 40 | recompute | stale - recompute | stale at T | recompute at T "
+        "| stale - recompute at T | stale tokens | recomputed |",
+        "|---" * 9 + "|",
+    ]
+    for loss in PILOT_LOSSES:
+        s, r = data[("stale", loss)], data[("recompute", loss)]
+        cells = []
+        for pick in (lambda x: x["final"], lambda x: at_time(x["curve"], t)):
+            text, half = interval([100 * (pick(a) - pick(b)) for a, b in zip(s, r)])
+            cells += [ms([pick(a) for a in s]), ms([pick(b) for b in r]), f"{text} (± {half:.1f})"]
+        lines.append(
+            f"| {loss} | {' | '.join(cells)} | {100 * statistics.mean(a['stale'] for a in s):.1f}% "
+            f"| {100 * statistics.mean(b['recomputed'] for b in r):.1f}% |"
+        )
+    lines += [
+        "",
+        "The stale runs' tokens split by whether they read stale KV, at the same lag: KL(mu‖pi) and ESS, "
+        "the mean over steps and seeds of each step's value (steps without such a token left out)",
+        "",
+        "| loss | lag | KL stale-KV tokens | KL fresh tokens | ESS stale-KV | ESS fresh |",
+        "|---" * 6 + "|",
+    ]
+    for loss in PILOT_LOSSES:
+        steps = [m for d in runs[("stale", loss)] for m in read_jsonl(os.path.join(d, "metrics.jsonl")) if "kl" in m]
+        for lag in (0, 1, 2):
+            mean = lambda key: (
+                f"{statistics.mean(v):.1e}" if (v := [m[key] for m in steps if m.get(key) is not None]) else "-"
+            )
+            lines.append(
+                f"| {loss} | {lag if lag < 2 else '2+'} | {mean(f'kl_stale_lag{lag}')} | {mean(f'kl_fresh_lag{lag}')} "
+                f"| {mean(f'ess_stale_lag{lag}')} | {mean(f'ess_fresh_lag{lag}')} |"
+            )
+    return "\n".join(lines)
 
 
 def read_block(out, block):
@@ -182,9 +281,22 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join("out", "frontier"), help="where the runs go")
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="runs at once, one core each")
+    p.add_argument("--pilot", action="store_true", help="the stale-KV pilot (after the frontier's first block)")
     p.add_argument("--table-only", action="store_true", help="no new runs: tables from the runs on disk")
     p.add_argument("--figure", action="store_true", help="draw docs/frontier.png from the runs on disk")
     args = p.parse_args()
+    if args.pilot:
+        eta = pilot_eta(args.out)
+        if eta is None:
+            sys.exit(
+                "frontier.py --pilot: needs the block trainer-x1-lr-x4's none runs at eta 1 and 2 (seeds 0-2), "
+                "and one of them rebuilding >= 30% of its tokens"
+            )
+        print(f"the pilot's --max-lag by the rule: {eta}", file=sys.stderr)
+        if not args.table_only:
+            launch(args.jobs, [(f, r) for f, r in pilot_plan(args.out, eta) if not finished(r)])
+        print(pilot_table(args.out, eta))
+        return
     if not args.table_only and not args.figure:
         todo = [(f, r) for f, r in plan(args.out) if not finished(r)]
         print(f"{len(plan(args.out)) - len(todo)} of {len(plan(args.out))} runs finished already", file=sys.stderr)

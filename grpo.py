@@ -517,6 +517,7 @@ def generator_metrics(stats, prev, seconds):
 
 
 SPLITS = ("fresh", "stale", "lag0", "lag1", "lag2")  # lag2: two versions or more
+SPLITS += tuple(f"{kv}_lag{k}" for kv in ("fresh", "stale") for k in range(3))  # the cache's own share, at equal lag
 
 
 def offpolicy_sums(log_ratio, clipped, stale, lag):
@@ -528,7 +529,8 @@ def offpolicy_sums(log_ratio, clipped, stale, lag):
 
     ratio = log_ratio.double().exp()
     k3 = ratio - 1 - log_ratio.double()  # Schulman's k3: an unbiased, never negative estimate of KL(mu || pi)
-    masks = (torch.ones_like(stale), ~stale, stale, lag == 0, lag == 1, lag >= 2)
+    lags = (lag == 0, lag == 1, lag >= 2)
+    masks = (torch.ones_like(stale), ~stale, stale, *lags, *(kv & k for kv in (~stale, stale) for k in lags))
     only = lambda x, m: torch.where(m, x, 0.0).sum()  # on the device: no sync until .tolist()
     return torch.stack(
         [

@@ -28,7 +28,8 @@ weights loaded; in train.py to every engine joined and the tensors sent off, and
 sync_wait_s: what the next optimizer step waited for them to arrive), trainer_wait_s
 (waiting for the step's groups); how off-policy the trained tokens were
 (grpo.offpolicy_metrics): ess, clipped_frac, kl, and each again with _fresh, _stale,
-_lag0, _lag1, _lag2 (None where no token falls in the group); PACE's
+_lag0, _lag1, _lag2, and _fresh_lag0 ... _stale_lag2 (stale-KV and fresh tokens at the same
+lag; None where no token falls in the group); PACE's
 rejected_groups, rejected_tokens, pool_size, gen_staleness_mean, wait_staleness_mean;
 and eval_acc, eval_truncated_frac, eval_version on evaluation steps. train.py adds
 cpu_s, stall_bound_s and, on a GPU, train_peak_gib (machine facts the simulation has no

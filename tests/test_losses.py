@@ -178,7 +178,8 @@ def test_one_step_per_batch_none_is_reinforce_and_ppo_is_uncapped_is():
 def test_offpolicy_metrics_by_hand():
     """Two tokens with pi/mu = 2 (fresh, lag 0, clipped) and 0.5 (stale KV, lag 3):
     ESS (2 + 0.5)^2 / (2 (4 + 0.25)) = 0.735294; k3 = (w - 1 - log w): 0.306853 and
-    0.193147, mean 0.25; one of two clipped. Per split: each token alone, ESS 1."""
+    0.193147, mean 0.25; one of two clipped. Per split: each token alone, ESS 1; the stale
+    token at lag 3 is stale_lag2's only one, the fresh one fresh_lag0's."""
     sums = grpo.offpolicy_sums(
         torch.tensor([math.log(2), math.log(0.5)]),
         torch.tensor([True, False]),
@@ -192,6 +193,8 @@ def test_offpolicy_metrics_by_hand():
     assert m["clipped_frac_fresh"] == 1 and m["clipped_frac_stale"] == 0
     assert m["kl_stale"] == pytest.approx(0.193147, abs=1e-6) and m["kl_lag2"] == m["kl_stale"]
     assert m["kl_lag0"] == m["kl_fresh"] and m["ess_lag1"] is None  # no token at lag 1
+    assert m["kl_fresh_lag0"] == m["kl_fresh"] and m["kl_stale_lag2"] == m["kl_stale"]
+    assert m["ess_stale_lag0"] is None and m["ess_fresh_lag2"] is None and m["kl_stale_lag1"] is None
 
 
 @pytest.mark.fast

@@ -5,10 +5,11 @@ measures, over --max-lag (AReaL's eta), at two speeds of the trainer against the
 the learning rate where staleness bites, per loss; then stale KV against recompute where a third
 of the trained tokens would read stale KV. A rerun gives the same files (the clock is simulated).
 
-    .venv/bin/python tools/frontier.py                  # the grid below (90 runs, ~1.5 hours on 2 cores)
-    .venv/bin/python tools/frontier.py --pilot          # then the stale-KV pilot (30 runs, ~30 minutes)
-    .venv/bin/python tools/frontier.py --table-only     # the tables from the runs on disk
-    .venv/bin/python tools/frontier.py --figure         # docs/frontier.png, from the runs on disk
+    .venv/bin/python tools/frontier.py --block trainer-x1-lr-x4   # 54 runs, ~70 minutes on 2 cores
+    .venv/bin/python tools/frontier.py --pilot                    # then the stale-KV pilot (25 runs)
+    .venv/bin/python tools/frontier.py                            # the rest of the grid (18 runs)
+    .venv/bin/python tools/frontier.py --table-only               # the tables from the runs on disk
+    .venv/bin/python tools/frontier.py --figure                   # docs/frontier.png, from the runs on disk
 
 The runs. `lesson.py --preset long --regime recompute` (AReaL's regime: the KV of a half-written
 answer rebuilt under the new weights), 40 steps, pass@1 every 5 steps, seeds 0-2, each pinned to
@@ -17,7 +18,7 @@ sync`, one batch per version. The cells (BLOCKS, ETAS, LOSSES below):
 
     block                                  | eta               | losses          | seeds
     trainer x1 (--train-s 1.16e-4), lr x4  | 0 1 2 4 8 16      | none ppo BEST   | 0-2
-    trainer x4 (--train-s 4.64e-4), lr x4  | 0 1 2 4 8 16      | none ppo        | 0-2
+    trainer x4 (--train-s 4.64e-4), lr x4  | 0 1 2 4 8 16      | ppo             | 0-2
 
 The default costs (trainer x1) make generation the slower side; trainer x4 makes training the
 slower side, as at the stress experiment's setting (tools/stress.py). lr x4 (--lr 2.4e-4) is where
@@ -26,17 +27,22 @@ staleness bites (the stress pilot: the naive loss collapses at --max-lag 8).
 against the behaviour policy, the same when a batch takes one optimizer step); `ppo` is AReaL's
 decoupled PPO; BEST is the stress experiment's best correction by its own rule (tools/stress.py
 holds, at max-lag 8, trainer x4, lr x4). Dropped, to fit one session's 3 hours with the pilot and
-a CI run (a run takes ~2 minutes of one core; the full grid, 198 runs, would take ~3.5 hours of
-both): BEST at trainer x4 (the stress experiment measured it there, at eta 8), and the preset's
-learning rate (lr x1), where the stress pilot found the naive loss holding (at --max-lag 2).
+a CI run (a run takes ~2.5 minutes of one core; the full grid, 198 runs, would take ~4 hours of
+both): at trainer x4, `none` and BEST (the stress experiment measured both there, at eta 8:
+`none` collapses, BEST holds; AReaL's loss is the one its Table 2 sets beside ours), and the
+preset's learning rate (lr x1), where the stress pilot found the naive loss holding (at
+--max-lag 2). A first start of the earlier grid (90 runs, seed by seed) was stopped after 2
+minutes, its 2 unfinished runs deleted, to put the pilot before the second block.
 
 The stale-KV pilot (--pilot), its setting chosen by this rule before it runs: of the block
 trainer-x1-lr-x4 (at trainer x4 only 9-13% of the trained tokens were stale in the stress runs),
 the lowest --max-lag of 1 and 2 whose recompute runs rebuilt at least 30% of the trained tokens
 (the mean of `recomputed` over none's three seeds: those tokens would have read stale KV under
 `stale`). There, `--regime stale` against `--regime recompute`, each with `none`, `tis` and BEST,
-seeds 0-4, the same flags as the frontier's cells otherwise (its recompute runs are those cells
-run again: their answers.jsonl must be identical). Reported: stale - recompute per loss, paired
+seeds 0-4, the same flags as the frontier's cells otherwise: its recompute runs with a loss
+of the frontier's and seeds 0-2 are the frontier's runs, except recompute `none` seed 0, which
+is run again (the two answers.jsonl must be identical; the table says whether they are).
+25 runs. Reported: stale - recompute per loss, paired
 by seed, at step 40 and at equal time (the earliest end of the pilot's runs), with the 95% t
 interval and its half-width (the smallest difference five seeds could have shown); and in the
 stale runs, KL(mu||pi) and ESS of the tokens that read stale KV beside the fresh tokens at the
@@ -79,7 +85,7 @@ LR = {"x1": 6e-5, "x4": 2.4e-4}  # the long preset's, and 4x it
 BEST = "gspo"  # the stress experiment's best correction by its rule (RESULTS.md); set before the first run
 BLOCKS = {  # name -> (trainer speed, learning rate, losses); run in this order
     "trainer-x1-lr-x4": ("x1", "x4", ("none", "ppo", BEST)),
-    "trainer-x4-lr-x4": ("x4", "x4", ("none", "ppo")),
+    "trainer-x4-lr-x4": ("x4", "x4", ("ppo",)),
 }
 
 
@@ -93,11 +99,12 @@ def flags(block, loss, eta, seed):
     return (*BASE, *regime, "--loss", loss, "--lr", str(LR[lr]), "--train-s", str(TRAIN_S[speed]), "--seed", str(seed))
 
 
-def plan(out):
+def plan(out, blocks=BLOCKS):
     """Every (flags, run directory) of the grid, block by block, seed by seed within a block."""
     return [
         (flags(block, loss, eta, seed), run_dir(out, block, loss, eta, seed))
-        for block, (_, _, losses) in BLOCKS.items()
+        for block in blocks
+        for losses in [BLOCKS[block][2]]
         for seed in SEEDS
         for loss in losses
         for eta in ETAS
@@ -121,7 +128,13 @@ def pilot_eta(out):
     return None
 
 
-def pilot_dir(out, regime, loss, seed):
+RERUN = ("none", 0)  # the frontier cell the pilot runs again
+
+
+def pilot_dir(out, eta, regime, loss, seed):
+    """A recompute run the frontier made is read from the frontier (but RERUN, run again here)."""
+    if regime == "recompute" and loss in BLOCKS[PILOT_BLOCK][2] and seed in SEEDS and (loss, seed) != RERUN:
+        return run_dir(out, PILOT_BLOCK, loss, eta, seed)
     return os.path.join(out, "pilot", f"{regime}-{loss}-s{seed}")
 
 
@@ -133,7 +146,7 @@ def pilot_plan(out, eta):
             for regime in ("stale", "recompute"):
                 f = list(flags(PILOT_BLOCK, loss, eta, seed))
                 f[f.index("--regime") + 1] = regime
-                todo.append((tuple(f), pilot_dir(out, regime, loss, seed)))
+                todo.append((tuple(f), pilot_dir(out, eta, regime, loss, seed)))
     return todo
 
 
@@ -141,7 +154,7 @@ def pilot_table(out, eta):
     """stale - recompute per loss (paired by seed, at step 40 and at equal time), and the stale
     runs' per-token KL and ESS of stale-KV tokens beside fresh ones at the same lag."""
     runs = {
-        (regime, loss): [pilot_dir(out, regime, loss, s) for s in PILOT_SEEDS]
+        (regime, loss): [pilot_dir(out, eta, regime, loss, s) for s in PILOT_SEEDS]
         for regime in ("stale", "recompute")
         for loss in PILOT_LOSSES
     }
@@ -168,7 +181,15 @@ def pilot_table(out, eta):
             f"| {loss} | {' | '.join(cells)} | {100 * statistics.mean(a['stale'] for a in s):.1f}% "
             f"| {100 * statistics.mean(b['recomputed'] for b in r):.1f}% |"
         )
+    a, b = (
+        os.path.join(d, "answers.jsonl")
+        for d in (pilot_dir(out, eta, "recompute", *RERUN), run_dir(out, PILOT_BLOCK, RERUN[0], eta, RERUN[1]))
+    )
+    same = open(a, "rb").read() == open(b, "rb").read()
     lines += [
+        "",
+        f"recompute {RERUN[0]} seed {RERUN[1]} run twice (the pilot's and the frontier's): answers.jsonl "
+        + ("identical" if same else "DIFFERENT"),
         "",
         "The stale runs' tokens split by whether they read stale KV, at the same lag: KL(mu‖pi) and ESS, "
         "the mean over steps and seeds of each step's value (steps without such a token left out)",
@@ -281,6 +302,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join("out", "frontier"), help="where the runs go")
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="runs at once, one core each")
+    p.add_argument("--block", choices=list(BLOCKS), help="run only this block of the grid")
     p.add_argument("--pilot", action="store_true", help="the stale-KV pilot (after the frontier's first block)")
     p.add_argument("--table-only", action="store_true", help="no new runs: tables from the runs on disk")
     p.add_argument("--figure", action="store_true", help="draw docs/frontier.png from the runs on disk")
@@ -298,8 +320,9 @@ def main():
         print(pilot_table(args.out, eta))
         return
     if not args.table_only and not args.figure:
-        todo = [(f, r) for f, r in plan(args.out) if not finished(r)]
-        print(f"{len(plan(args.out)) - len(todo)} of {len(plan(args.out))} runs finished already", file=sys.stderr)
+        grid = plan(args.out, [args.block] if args.block else BLOCKS)
+        todo = [(f, r) for f, r in grid if not finished(r)]
+        print(f"{len(grid) - len(todo)} of {len(grid)} runs finished already", file=sys.stderr)
         launch(args.jobs, todo)
     for block in BLOCKS:
         print(block_table(args.out, block)[0] + "\n", flush=True)

@@ -180,3 +180,16 @@ def test_pace_columns_and_claims_by_hand(tmp_path):
     (row,) = [line for line in analysis(rows, 0.6).splitlines() if line.startswith("| CPU-s to 0.6: stale pace - sync")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:3] == ["+150", "[+150, +150]"] and cells[4:] == ["2", "yes", "[+150, +150]"], row
+
+
+def test_frontier_rule_by_hand():
+    """tools/frontier.py's rule, on numbers worked by hand: the highest mean pass@1 at equal
+    time, a tie to the smaller eta; beside it every eta whose paired 95% t interval holds 0.
+    eta 1, 2 and 4 all average 0.61: 1 wins the tie. eta 2 equals it seed by seed; eta 4
+    differs by +1, -1, 0 points (sd 1: the interval holds 0); eta 0 by -10, -9, -8
+    (-9 ± 4.303 / sqrt(3) = [-11.5, -6.5], without 0)."""
+    from tools.frontier import best_eta
+
+    cells = {0: [0.50, 0.52, 0.54], 1: [0.60, 0.61, 0.62], 2: [0.60, 0.61, 0.62], 4: [0.61, 0.60, 0.62]}
+    assert best_eta(cells) == (1, [1, 2, 4])
+    assert best_eta({4: [0.7, 0.7], 2: [0.7, 0.7]}) == (2, [4, 2])  # the smaller eta, whatever the order

@@ -228,6 +228,19 @@ def interval(d):
     return f"{statistics.mean(d):+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]", (ci[1] - ci[0]) / 2
 
 
+def best_eta(cells):
+    """The rule: cells {eta: [pass@1 at T per seed, in seed order]} -> (the eta of the highest
+    mean, ties to the smaller; every eta whose paired difference from it has a 95% t interval
+    holding 0, the best included)."""
+    top = max(cells, key=lambda eta: (statistics.mean(cells[eta]), -eta))
+    same = []
+    for eta, accs in cells.items():
+        ci = t_interval([100 * (a - b) for a, b in zip(accs, cells[top])])
+        if eta == top or (ci and ci[0] <= 0 <= ci[1]):
+            same.append(eta)
+    return top, same
+
+
 def block_table(out, block):
     """The block's table and the best eta per loss by the rule; None when a cell is unfinished."""
     rows = read_block(out, block)
@@ -246,15 +259,12 @@ def block_table(out, block):
     ]
     best = {}
     for loss in losses:
-        means = {eta: statistics.mean(at_time(r["curve"], t) for r in rows[(loss, eta)]) for eta in ETAS}
-        top = max(ETAS, key=lambda eta: (means[eta], -eta))  # ties: the smaller eta
-        same = []
+        top, same = best_eta({eta: [at_time(r["curve"], t) for r in rows[(loss, eta)]] for eta in ETAS})
         for eta in ETAS:
             runs = rows[(loss, eta)]
             d = [100 * (at_time(a["curve"], t) - at_time(b["curve"], t)) for a, b in zip(runs, rows[(loss, top)])]
             text, half = interval(d) if eta != top else ("best", None)
-            if eta == top or (t_interval(d) and t_interval(d)[0] <= 0 <= t_interval(d)[1]):
-                same.append(eta)
+            text += f" (± {half:.1f})" if half is not None else ""
             mean = lambda key, fmt: fmt.format(statistics.mean(r[key] for r in runs))
             lines.append(
                 f"| {loss} | {eta if eta else '0 (sync)'} | {ms([at_time(r['curve'], t) for r in runs])} | {text} "

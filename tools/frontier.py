@@ -23,9 +23,10 @@ sync`, one batch per version. The cells (BLOCKS, ETAS, LOSSES below):
 The default costs (trainer x1) make generation the slower side; trainer x4 makes training the
 slower side, as at the stress experiment's setting (tools/stress.py). lr x4 (--lr 2.4e-4) is where
 staleness bites (the stress pilot: the naive loss collapses at --max-lag 8).
-`none` is the naive loss (mu ignored; AReaL's Table 2 "without the decoupled objective" is PPO
-against the behaviour policy, the same when a batch takes one optimizer step); `ppo` is AReaL's
-decoupled PPO; BEST is the stress experiment's best correction by its own rule (tools/stress.py
+`none` is the naive loss (mu ignored: on-policy GRPO's gradient, -A grad log pi, on whatever
+the generator sampled; not AReaL's Table 2 row "without the decoupled objective", which is PPO's
+clip against mu, a trust region around the behaviour policy: the project has no token-level
+loss of that kind, gspo's clip against mu is per answer); `ppo` is AReaL's decoupled PPO; BEST is the stress experiment's best correction by its own rule (tools/stress.py
 holds, at max-lag 8, trainer x4, lr x4). Dropped, to fit one session's 3 hours with the pilot and
 a CI run (a run takes ~2.5 minutes of one core; the full grid, 198 runs, would take ~4 hours of
 both): at trainer x4, `none` and BEST (the stress experiment measured both there, at eta 8:

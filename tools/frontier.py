@@ -26,8 +26,9 @@ staleness bites (the stress pilot: the naive loss collapses at --max-lag 8).
 `none` is the naive loss (mu ignored: on-policy GRPO's gradient, -A grad log pi, on whatever
 the generator sampled; not AReaL's Table 2 row "without the decoupled objective", which is PPO's
 clip against mu, a trust region around the behaviour policy: the project has no token-level
-loss of that kind, gspo's clip against mu is per answer); `ppo` is AReaL's decoupled PPO; BEST is the stress experiment's best correction by its own rule (tools/stress.py
-holds, at max-lag 8, trainer x4, lr x4). Dropped, to fit one session's 3 hours with the pilot and
+loss of that kind, gspo's clip against mu is per answer); `ppo` is AReaL's decoupled PPO;
+BEST is the stress experiment's best correction by its own rule (tools/stress.py holds, at
+max-lag 8, trainer x4, lr x4). Dropped, to fit one session's 3 hours with the pilot and
 a CI run (a run takes ~2.5 minutes of one core; the full grid, 198 runs, would take ~4 hours of
 both): at trainer x4, `none` and BEST (the stress experiment measured both there, at eta 8:
 `none` collapses, BEST holds; AReaL's loss is the one its Table 2 sets beside ours), and the
@@ -37,9 +38,12 @@ minutes, its 2 unfinished runs deleted, to put the pilot before the second block
 
 The stale-KV pilot (--pilot), its setting chosen by this rule before it runs: of the block
 trainer-x1-lr-x4 (at trainer x4 only 9-13% of the trained tokens were stale in the stress runs),
-the lowest --max-lag of 1 and 2 whose recompute runs rebuilt at least 30% of the trained tokens
-(the mean of `recomputed` over none's three seeds: those tokens would have read stale KV under
-`stale`). There, `--regime stale` against `--regime recompute`, each with `none`, `tis` and BEST,
+the lower --max-lag of 1 and 2 at which `stale --loss none` seed 0 trains at least 30% stale
+tokens (both are run first, side by side; the one not chosen is reported too). The rule as first
+committed read the recompute runs' `recomputed` instead; that counts every token a rebuild
+prefills (the prompt's, and an answer's again at each push it spans: 69% at --max-lag 1 where
+`stale` trains ~20% stale tokens), so it was replaced before any pilot run. There, `--regime
+stale` against `--regime recompute`, each with `none`, `tis` and BEST,
 seeds 0-4, the same flags as the frontier's cells otherwise: its recompute runs with a loss
 of the frontier's and seeds 0-2 are the frontier's runs, except recompute `none` seed 0, which
 is run again (the two answers.jsonl must be identical; the table says whether they are).
@@ -117,14 +121,19 @@ PILOT_LOSSES = ("none", "tis", BEST)
 PILOT_BLOCK = "trainer-x1-lr-x4"
 
 
-def pilot_eta(out):
-    """The pilot's --max-lag by the rule (docstring): the lowest of 1, 2 whose recompute `none`
-    runs rebuilt >= 30% of the trained tokens; None when those runs are not finished or neither does."""
-    for eta in (1, 2):
-        runs = [run_dir(out, PILOT_BLOCK, "none", eta, s) for s in SEEDS]
-        if not all(finished(r) for r in runs):
-            return None
-        if statistics.mean(read_run(r)["recomputed"] for r in runs) >= 0.30:
+def pilot_eta(out, jobs, table_only):
+    """The pilot's --max-lag by the rule (docstring): the lower of 1, 2 at which `stale --loss
+    none` seed 0 trains >= 30% stale tokens (both run, side by side); None if neither does."""
+    probes = {eta: pilot_plan(out, eta)[0] for eta in (1, 2)}  # (flags, run) of stale none seed 0
+    if not table_only:
+        launch(jobs, [p for p in probes.values() if not finished(p[1])])
+    for eta, (_, run) in probes.items():
+        share = read_run(run)["stale"] if finished(run) else None
+        print(
+            f"--max-lag {eta}: stale none seed 0 trains {share if share is None else f'{share:.1%}'} stale tokens",
+            file=sys.stderr,
+        )
+        if share is not None and share >= 0.30:
             return eta
     return None
 
@@ -136,7 +145,7 @@ def pilot_dir(out, eta, regime, loss, seed):
     """A recompute run the frontier made is read from the frontier (but RERUN, run again here)."""
     if regime == "recompute" and loss in BLOCKS[PILOT_BLOCK][2] and seed in SEEDS and (loss, seed) != RERUN:
         return run_dir(out, PILOT_BLOCK, loss, eta, seed)
-    return os.path.join(out, "pilot", f"{regime}-{loss}-s{seed}")
+    return os.path.join(out, "pilot", f"eta{eta}", f"{regime}-{loss}-s{seed}")
 
 
 def pilot_plan(out, eta):
@@ -319,12 +328,9 @@ def main():
     p.add_argument("--figure", action="store_true", help="draw docs/frontier.png from the runs on disk")
     args = p.parse_args()
     if args.pilot:
-        eta = pilot_eta(args.out)
+        eta = pilot_eta(args.out, args.jobs, args.table_only)
         if eta is None:
-            sys.exit(
-                "frontier.py --pilot: needs the block trainer-x1-lr-x4's none runs at eta 1 and 2 (seeds 0-2), "
-                "and one of them rebuilding >= 30% of its tokens"
-            )
+            sys.exit("frontier.py --pilot: neither --max-lag 1 nor 2 trains >= 30% stale tokens (or runs are missing)")
         print(f"the pilot's --max-lag by the rule: {eta}", file=sys.stderr)
         if not args.table_only:
             launch(args.jobs, [(f, r) for f, r in pilot_plan(args.out, eta) if not finished(r)])

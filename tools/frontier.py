@@ -39,7 +39,8 @@ minutes, its 2 unfinished runs deleted, to put the pilot before the second block
 The stale-KV pilot (--pilot), its setting chosen by this rule before it runs: of the block
 trainer-x1-lr-x4 (at trainer x4 only 9-13% of the trained tokens were stale in the stress runs),
 the lower --max-lag of 1 and 2 at which `stale --loss none` seed 0 trains at least 30% stale
-tokens (both are run first, side by side; the one not chosen is reported too). The rule as first
+tokens (both are run first, side by side; the one not chosen is reported too); if neither
+does (at lr x4 answers may shorten), the one with the higher share, and the table says so. The rule as first
 committed read the recompute runs' `recomputed` instead; that counts every token a rebuild
 prefills (the prompt's, and an answer's again at each push it spans: 69% at --max-lag 1 where
 `stale` trains ~20% stale tokens), so it was replaced before any pilot run. There, `--regime
@@ -123,7 +124,8 @@ PILOT_BLOCK = "trainer-x1-lr-x4"
 
 def pilot_eta(out, jobs, table_only):
     """The pilot's --max-lag by the rule (docstring): the lower of 1, 2 at which `stale --loss
-    none` seed 0 trains >= 30% stale tokens (both run, side by side); None if neither does."""
+    none` seed 0 trains >= 30% stale tokens (both run, side by side); if neither, the higher
+    share's; None while a probe is unfinished."""
     probes = {eta: pilot_plan(out, eta)[0] for eta in (1, 2)}  # (flags, run) of stale none seed 0
     if not table_only:
         launch(jobs, [p for p in probes.values() if not finished(p[1])])
@@ -172,7 +174,12 @@ def pilot_table(out, eta):
         return "(the pilot's runs are not all finished)"
     data = {k: [read_run(r) for r in rs] for k, rs in runs.items()}
     t = min(r["curve"][-1][1] for rs in data.values() for r in rs)
+    probes = {k: read_run(pilot_dir(out, k, "stale", "none", 0))["stale"] for k in (1, 2)}
     lines = [
+        "The rule's probes, `stale --loss none` seed 0: "
+        + ", ".join(f"--max-lag {k} trains {v:.1%} stale tokens" for k, v in probes.items())
+        + (f"; the pilot runs at {eta}" if probes[eta] >= 0.30 else f"; neither reaches 30%: the higher, {eta}"),
+        "",
         f"Stale KV against recompute at `--max-lag {eta}` (block {PILOT_BLOCK}), seeds "
         f"{PILOT_SEEDS[0]}-{PILOT_SEEDS[-1]}; equal time T = {t:.0f} simulated s; stale - recompute in points, "
         "paired by seed (95% t interval; ± its half-width, the smallest difference the seeds could show)",
@@ -330,7 +337,7 @@ def main():
     if args.pilot:
         eta = pilot_eta(args.out, args.jobs, args.table_only)
         if eta is None:
-            sys.exit("frontier.py --pilot: neither --max-lag 1 nor 2 trains >= 30% stale tokens (or runs are missing)")
+            sys.exit("frontier.py --pilot: the probes (stale none seed 0 at --max-lag 1 and 2) are not finished")
         print(f"the pilot's --max-lag by the rule: {eta}", file=sys.stderr)
         if not args.table_only:
             launch(args.jobs, [(f, r) for f, r in pilot_plan(args.out, eta) if not finished(r)])

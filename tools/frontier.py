@@ -6,7 +6,7 @@ the learning rate where staleness bites, per loss; then stale KV against recompu
 of the trained tokens would read stale KV. A rerun gives the same files (the clock is simulated).
 
     .venv/bin/python tools/frontier.py --block trainer-x1-lr-x4   # 54 runs, ~70 minutes on 2 cores
-    .venv/bin/python tools/frontier.py --pilot                    # then the stale-KV pilot (25 runs)
+    .venv/bin/python tools/frontier.py --pilot                    # then the stale-KV pilot (26 runs)
     .venv/bin/python tools/frontier.py                            # the rest of the grid (18 runs)
     .venv/bin/python tools/frontier.py --table-only               # the tables from the runs on disk
     .venv/bin/python tools/frontier.py --figure                   # docs/frontier.png, from the runs on disk
@@ -48,7 +48,7 @@ stale` against `--regime recompute`, each with `none`, `tis` and BEST,
 seeds 0-4, the same flags as the frontier's cells otherwise: its recompute runs with a loss
 of the frontier's and seeds 0-2 are the frontier's runs, except recompute `none` seed 0, which
 is run again (the two answers.jsonl must be identical; the table says whether they are).
-25 runs. Reported: stale - recompute per loss, paired
+25 runs, and the probe not chosen. Reported: stale - recompute per loss, paired
 by seed, at step 40 and at equal time (the earliest end of the pilot's runs), with the 95% t
 interval and its half-width (the smallest difference five seeds could have shown); and in the
 stale runs, KL(mu||pi) and ESS of the tokens that read stale KV beside the fresh tokens at the

@@ -129,15 +129,11 @@ def pilot_eta(out, jobs, table_only):
     probes = {eta: pilot_plan(out, eta)[0] for eta in (1, 2)}  # (flags, run) of stale none seed 0
     if not table_only:
         launch(jobs, [p for p in probes.values() if not finished(p[1])])
-    for eta, (_, run) in probes.items():
-        share = read_run(run)["stale"] if finished(run) else None
-        print(
-            f"--max-lag {eta}: stale none seed 0 trains {share if share is None else f'{share:.1%}'} stale tokens",
-            file=sys.stderr,
-        )
-        if share is not None and share >= 0.30:
-            return eta
-    return None
+    if not all(finished(run) for _, run in probes.values()):
+        return None
+    share = {eta: read_run(run)["stale"] for eta, (_, run) in probes.items()}
+    print(", ".join(f"--max-lag {eta}: {v:.1%} stale tokens" for eta, v in share.items()), file=sys.stderr)
+    return min((eta for eta, v in share.items() if v >= 0.30), default=max(share, key=share.get))
 
 
 RERUN = ("none", 0)  # the frontier cell the pilot runs again

@@ -401,12 +401,14 @@ def plot_frontier(blocks, etas, out):
 
     fig, axes = plt.subplots(max(len(blocks), 1), 2, figsize=(11, 3.4 * max(len(blocks), 1)), squeeze=False)
     x = np.arange(len(etas))  # evenly spaced: 0 1 2 4 8 16
+    color = {}  # one color per loss across the rows
     for row, (title, losses) in zip(axes, blocks.items()):
-        for i, (loss, cells) in enumerate(losses.items()):
+        for loss, cells in losses.items():
+            c = color.setdefault(loss, f"C{len(color)}")
             for ax, k in zip(row, (0, 1)):
                 ys = [np.array(cell[k], dtype=float) for cell in cells]
-                ax.plot(x, [y.mean() for y in ys], "o-", ms=3, color=f"C{i}", label=loss)
-                ax.fill_between(x, [y.min() for y in ys], [y.max() for y in ys], color=f"C{i}", alpha=0.15, lw=0)
+                ax.plot(x, [y.mean() for y in ys], "o-", ms=3, color=c, label=loss)
+                ax.fill_between(x, [y.min() for y in ys], [y.max() for y in ys], color=c, alpha=0.15, lw=0)
         for ax, name in zip(row, ("pass@1 at equal simulated time", "steps per simulated minute")):
             ax.set_xticks(x, [str(e) if e else "0 (sync)" for e in etas])
             ax.set_xlabel("--max-lag (eta)")

@@ -213,12 +213,12 @@ def pilot_table(out, eta):
     for loss in PILOT_LOSSES:
         steps = [m for d in runs[("stale", loss)] for m in read_jsonl(os.path.join(d, "metrics.jsonl")) if "kl" in m]
         for lag in (0, 1, 2):
-            mean = lambda key: (
-                f"{statistics.mean(v):.1e}" if (v := [m[key] for m in steps if m.get(key) is not None]) else "-"
+            mean = lambda key, fmt="{:.1e}": (
+                fmt.format(statistics.mean(v)) if (v := [m[key] for m in steps if m.get(key) is not None]) else "-"
             )
             lines.append(
                 f"| {loss} | {lag if lag < 2 else '2+'} | {mean(f'kl_stale_lag{lag}')} | {mean(f'kl_fresh_lag{lag}')} "
-                f"| {mean(f'ess_stale_lag{lag}')} | {mean(f'ess_fresh_lag{lag}')} |"
+                f"| {mean(f'ess_stale_lag{lag}', '{:.4f}')} | {mean(f'ess_fresh_lag{lag}', '{:.4f}')} |"
             )
     return "\n".join(lines)
 

@@ -42,8 +42,9 @@ the lower --max-lag of 1 and 2 at which `stale --loss none` seed 0 trains at lea
 tokens (both are run first, side by side; the one not chosen is reported too); if neither
 does (at lr x4 answers may shorten), the one with the higher share, and the table says so. The rule as first
 committed read the recompute runs' `recomputed` instead; that counts every token a rebuild
-prefills (the prompt's, and an answer's again at each push it spans: 69% at --max-lag 1 where
-`stale` trains ~20% stale tokens), so it was replaced before any pilot run. There, `--regime
+prefills (the prompt's, and an answer's again at each push it spans: 66% of the trained tokens
+at --max-lag 1, seeds 0-2, against the 35.4% stale tokens `stale` trained there), so it was
+replaced before any pilot run. There, `--regime
 stale` against `--regime recompute`, each with `none`, `tis` and BEST,
 seeds 0-4, the same flags as the frontier's cells otherwise: its recompute runs with a loss
 of the frontier's and seeds 0-2 are the frontier's runs, except recompute `none` seed 0, which

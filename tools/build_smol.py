@@ -22,6 +22,7 @@ code: when either changes, the next build replaces it.
 """
 
 import argparse
+import fcntl
 import hashlib
 import inspect
 import json
@@ -100,7 +101,16 @@ def recipe_hash():
 
 def smol_model_dir(path=os.path.join(ROOT, "weights", "smol"), wheel=None):
     """Directory of the de-quantized SmolLM2-135M-Instruct (what `--model smol` loads:
-    config.PRESET_MODELS), building it when it is missing or from other code."""
+    config.PRESET_MODELS), building it when it is missing or from other code. One build at a
+    time: a second process (another run, a second pytest-xdist worker) waits on the lock and
+    then finds the model built."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _smol_model_dir(path, wheel)
+
+
+def _smol_model_dir(path, wheel):
     try:
         with open(os.path.join(path, "recipe.json")) as f:
             if json.load(f).get("recipe_hash") == recipe_hash():

@@ -38,7 +38,6 @@ SMALL = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("regime", ["sync", "drain", "discard", "stale", "recompute"])
 def test_regime_end_to_end(regime, tmp_path):
     run = str(tmp_path / regime)
@@ -143,7 +142,6 @@ def still_running(procs):
     return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.slow
 def test_ctrl_c_stops_both(tmp_path):
     proc = start_train(str(tmp_path / "ctrlc"))
     children = wait_for_step(proc)
@@ -154,7 +152,6 @@ def test_ctrl_c_stops_both(tmp_path):
     assert not still_running(children)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killed_trainer_leaves_no_generator(tmp_path, sig):
     """`kill` (a scheduler's SIGTERM) stops both like Ctrl-C; after kill -9 the
@@ -167,7 +164,6 @@ def test_killed_trainer_leaves_no_generator(tmp_path, sig):
     assert not still_running(children)
 
 
-@pytest.mark.slow
 def test_killed_generator_stops_trainer(tmp_path):
     proc = start_train(str(tmp_path / "kill"))
     children = wait_for_step(proc)

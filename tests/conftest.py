@@ -4,12 +4,7 @@
 files share is in tests/helpers.py (no test file imports another).
 
 The fast tier, what a student runs after an edit (lesson.py, the regimes, the loss,
-the exercises' graders): `.venv/bin/python -m pytest -q -m fast` (one process: two
-workers would each start their own engine and import everything). The whole suite,
-as CI runs it: `.venv/bin/python -m pytest -q -n 2 --maxschedchunk 1`: two pytest-xdist
-workers take the tests one at a time from one queue, the `slow` ones (each over ~20 s
-alone: whole runs, torchrun jobs, a 30-layer model) first, so that neither worker is left
-with a long test after the other has finished."""
+the exercises' graders): `.venv/bin/python -m pytest -q -m fast`."""
 
 import os
 import sys
@@ -22,12 +17,6 @@ sys.path.insert(0, ROOT)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the tier to run after an edit (pytest -m fast)")
-    config.addinivalue_line("markers", "slow: over ~20 s alone; run first")
-
-
-def pytest_collection_modifyitems(items):
-    """The slow tests first, each group in the order collected (a stable sort)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,7 +18,6 @@ from exercise_mutants import ACCEPTED, CHEAP, MUTANTS
 from tools.exercise import EXERCISES, ROOT, SKIP, check, check_jobs, check_many, copy_code, find, later, make, replace
 
 
-@pytest.mark.slow
 def test_every_grader_passes_on_the_project():
     """Every exercise's graders on the project's own code (the fast tier runs the cheap ones:
     test_the_cheap_graders_are_the_exercises_and_pass)."""
@@ -27,7 +26,6 @@ def test_every_grader_passes_on_the_project():
     assert results and all(results.values()), [t for t, ok in results.items() if not ok]
 
 
-@pytest.mark.slow
 def test_every_grader_fails_on_every_exercise(tmp_path):
     """Each exercise's copy as `make` writes it fails every one of its graders (the copies
     graded each in its own pytest, forked from one process: tools/exercise.py's check_jobs)."""
@@ -150,7 +148,6 @@ def test_every_mutant_fails_a_grader(name, tmp_path):
     assert all(project.values()), project  # and the project passes them, graded the same way
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
 def test_every_accepted_variant_passes_every_grader(name, tmp_path):
     """The mirror of the mutants: each right answer in another form the task allows

@@ -19,7 +19,6 @@ from helpers import check_sync_is_exact, collect, hf_model, start
 from train import parse_config
 
 
-@pytest.mark.slow
 def test_sync_is_exact():
     """Push perturbed weights, generate greedily under them: vLLM's tokens and
     logprobs equal the HF model's. named_parameters() leaves the tied lm_head out

@@ -76,7 +76,6 @@ def test_lesson_is_short_and_imports_no_process_machinery():
             assert bad not in text, f"{m}.py mentions {bad}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("regime", REGIMES)
 def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
     """Two runs, the same metrics.jsonl, answers.jsonl and events.jsonl; and what the regime

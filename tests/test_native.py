@@ -169,7 +169,6 @@ def test_drain_has_no_form_in_this_process(setup):
         engine.step()
 
 
-@pytest.mark.slow
 def test_drain_is_vllms_wait_mode(setup, tmp_path):
     """drain against sleep(0, "wait") in a multiprocess engine: the 8 answers in flight
     finish under the old weights, 8 new ones are written by the new."""

@@ -71,7 +71,6 @@ def spanning(samples):
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("regime", ["stale", "discard", "recompute"])
 def test_provenance_of_a_switch(regime):
     samples, load, stats = run_with_switch(regime)

@@ -127,7 +127,6 @@ def grads_job(out, losses, checkpointing):
     ranks.stop()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("losses, checkpointing", [("tis,ppo,none,icepop,geo,cispo,gspo,m2po", "off"), ("tis", "on")])
 def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, tmp_path):
     """The loss is the token-level mean over the whole batch whatever the ranks: the
@@ -237,7 +236,6 @@ def sync_job(out):
     ranks.stop()
 
 
-@pytest.mark.slow
 def test_a_push_from_two_ranks_reaches_every_engine_exactly(tmp_path):
     """After a push from 2 FSDP2 ranks, each of 2 engines writes HF's greedy tokens
     under the pushed weights, with logprobs within test_sync_is_exact's tolerance; the
@@ -295,7 +293,6 @@ def killed(proc, victim):
     return err
 
 
-@pytest.mark.slow
 def test_resume_two_ranks_after_a_dead_engine(tmp_path):
     """recompute, 2 ranks and 2 engines, no --out: each rank names the default run
     directory after the second it starts in, and rank 1 starting a second later must still
@@ -338,7 +335,6 @@ def test_resume_two_ranks_after_a_dead_engine(tmp_path):
     check_engines(run_dir, 2)
 
 
-@pytest.mark.slow
 def test_a_dead_rank_ends_the_job(tmp_path):
     """kill -9 of trainer rank 1: the whole job ends, non-zero, with a message naming it,
     well within the stall bound (torchrun sees the death), no process left. (An engine's

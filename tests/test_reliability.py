@@ -261,7 +261,6 @@ def check_groups(run, cfg, steps):
     return answers
 
 
-@pytest.mark.slow
 def test_pace_keeps_rejecting_within_the_lag_bound(tmp_path):
     """--pool pace with the generator free to run ahead (--max-lag 3) of a trainer that
     waits for the oldest groups: rejected groups leave their places to new ones, so
@@ -298,7 +297,6 @@ def test_pace_keeps_rejecting_within_the_lag_bound(tmp_path):
     assert len(consumed) == 10 * 4 and len({a["sample_id"] for a in answers}) == len(answers)
 
 
-@pytest.mark.slow
 def test_resume_after_kill_9_loses_and_repeats_nothing(tmp_path):
     """kill -9 between two checkpoints, --resume: every step once, versions consecutive,
     every group consumed once and none lost (its answers once in answers.jsonl), the
@@ -350,7 +348,6 @@ def test_resume_after_kill_9_loses_and_repeats_nothing(tmp_path):
     assert trainer[restart - 2 : restart] == ["saving", "stopped"]  # the timeline resumes at the checkpoint
 
 
-@pytest.mark.slow
 def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
     """A generator alive but silent (the test hook hangs it before engine step 60)
     is stopped by the trainer, which reports its last activity and Python stack."""
@@ -370,7 +367,6 @@ def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
     assert not session_left(proc.pid)
 
 
-@pytest.mark.slow
 def test_a_push_cut_halfway_stops_the_engine(tmp_path):
     """The trainer killed (-9) once it has sent half the tensors of the push of v1 (the test
     hook): the engine, its layers half loaded (vLLM would put the old tensors back into the
@@ -386,7 +382,6 @@ def test_a_push_cut_halfway_stops_the_engine(tmp_path):
     assert not session_left(proc.pid)
 
 
-@pytest.mark.slow
 def test_push_watchdog_names_the_engine_that_never_joined(tmp_path):
     """Two engines; engine 1 hangs before it joins the push of v1 (the test hook) while
     engine 0 waits in the push for it: the watchdog stops engine 1 and names it alone."""

@@ -27,7 +27,6 @@ from helpers import (
 )
 
 SMOL = ("--model", "smol")
-pytestmark = pytest.mark.slow  # a 30-layer model: every test here is over ~20 s
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,10 +11,7 @@ import re
 import subprocess
 import sys
 
-import pytest
 
-
-@pytest.mark.slow
 def test_sweep_writes_tables_and_figures(tmp_path):
     out = str(tmp_path)
     r = subprocess.run(

@@ -211,7 +211,6 @@ def test_micro_batches_group_by_length_within_budget():
     assert {1, 3, 5} in [set(mb) for mb in mbs]  # the three short answers share one
 
 
-@pytest.mark.slow
 def test_step_memory_at_qwen3_vocabulary():
     """tools/bench_train.py's small shape in its own process: Qwen3's 151,936-token
     vocabulary, 8 answers of ~900 tokens, whose whole-batch float32 logits would take
@@ -265,7 +264,6 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
     assert all(v.device.type == "cpu" for st in opt2.state.values() for v in st.values() if torch.is_tensor(v))
 
 
-@pytest.mark.slow
 def test_gpu_check_on_cpu(tmp_path):
     """tools/gpu_check.py, the GPU user's first command, run here with the tiny model and
     its multi-GPU checks: the device layout, the sync check to 2 engines, and a regime under

@@ -102,7 +102,7 @@ def recipe_hash():
 def smol_model_dir(path=os.path.join(ROOT, "weights", "smol"), wheel=None):
     """Directory of the de-quantized SmolLM2-135M-Instruct (what `--model smol` loads:
     config.PRESET_MODELS), building it when it is missing or from other code. One build at a
-    time: a second process (another run, a second pytest-xdist worker) waits on the lock and
+    time: a second process (another run or test process) waits on the lock and
     then finds the model built."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "w") as lock:

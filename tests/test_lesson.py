@@ -82,16 +82,20 @@ def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
     promises, read back from them: who wrote each token's KV, what was discarded or rebuilt,
     lag. For stale the second run is `python lesson.py` in a process of its own, with Python's
     hash seed fixed where this process's is random: nothing depends on the hash seed, the
-    process, thread timing or the machine's load."""
+    process, thread timing or the machine's load. Both at this process's torch thread count
+    (OMP_NUM_THREADS): the trainer's sums run in another order with another count (RESULTS.md,
+    the lesson's clock), and this process's count is what earlier tests left (vLLM's CPU
+    worker makes torch.set_num_threads a no-op once an engine exists)."""
     a = run(regime, tmp_path / "a")
     if regime == "stale":
         b = str(tmp_path / "b")
+        threads = str(torch.get_num_threads())
         subprocess.run(
             [sys.executable, "lesson.py", "--regime", regime, *ARGS, "--out", b],
             capture_output=True,
             text=True,
             timeout=600,
-            env=dict(os.environ, PYTHONHASHSEED="0"),
+            env=dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS=threads),
             check=True,
         )
     else:

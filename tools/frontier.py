@@ -121,6 +121,12 @@ def plan(out, blocks=BLOCKS):
 PILOT_SEEDS = (0, 1, 2, 3, 4)
 PILOT_LOSSES = ("none", "tis", BEST)
 PILOT_BLOCK = "trainer-x1-lr-x4"
+PILOT_SHARE = 0.30  # the rule's least share of stale tokens
+
+
+def probe_shares(out):
+    """{--max-lag: share of stale tokens} of the rule's two probes, `stale --loss none` seed 0."""
+    return {eta: read_run(pilot_plan(out, eta)[0][1])["stale"] for eta in (1, 2)}
 
 
 def pilot_eta(out, jobs, table_only):
@@ -132,9 +138,9 @@ def pilot_eta(out, jobs, table_only):
         launch(jobs, [p for p in probes.values() if not finished(p[1])])
     if not all(finished(run) for _, run in probes.values()):
         return None
-    share = {eta: read_run(run)["stale"] for eta, (_, run) in probes.items()}
+    share = probe_shares(out)
     print(", ".join(f"--max-lag {eta}: {v:.1%} stale tokens" for eta, v in share.items()), file=sys.stderr)
-    return min((eta for eta, v in share.items() if v >= 0.30), default=max(share, key=share.get))
+    return min((eta for eta, v in share.items() if v >= PILOT_SHARE), default=max(share, key=share.get))
 
 
 RERUN = ("none", 0)  # the frontier cell the pilot runs again
@@ -171,11 +177,15 @@ def pilot_table(out, eta):
         return "(the pilot's runs are not all finished)"
     data = {k: [read_run(r) for r in rs] for k, rs in runs.items()}
     t = min(r["curve"][-1][1] for rs in data.values() for r in rs)
-    probes = {k: read_run(pilot_dir(out, k, "stale", "none", 0))["stale"] for k in (1, 2)}
+    probes = probe_shares(out)
     lines = [
         "The rule's probes, `stale --loss none` seed 0: "
         + ", ".join(f"--max-lag {k} trains {v:.1%} stale tokens" for k, v in probes.items())
-        + (f"; the pilot runs at {eta}" if probes[eta] >= 0.30 else f"; neither reaches 30%: the higher, {eta}"),
+        + (
+            f"; the pilot runs at {eta}"
+            if probes[eta] >= PILOT_SHARE
+            else f"; neither reaches {PILOT_SHARE:.0%}: the higher, {eta}"
+        ),
         "",
         f"Stale KV against recompute at `--max-lag {eta}` (block {PILOT_BLOCK}), seeds "
         f"{PILOT_SEEDS[0]}-{PILOT_SEEDS[-1]}; equal time T = {t:.0f} simulated s; stale - recompute in points, "

@@ -205,6 +205,14 @@ def make_engine(cfg, worker_extension=None):
         enforce_eager=not on_gpu,
         disable_log_stats=True,
     )
+    if not on_gpu:
+        # nothing compiled on CPU: enforce_eager leaves the model eager, and this leaves eager the
+        # one function vLLM's sampler still torch.compiles (the sampled token's rank,
+        # v1/sample/ops/logprobs.py), which cost 2-9 s of C++ compilation at the first step of
+        # every process that starts an engine; eager counts the same integers. For the process.
+        import torch
+
+        torch.compiler.set_stance("force_eager")
     engine = LLMEngine.from_engine_args(args)
     if engine.vllm_config.scheduler_config.async_scheduling is not False:
         raise RuntimeError("vLLM kept async scheduling on: weight versions would be off by one step")

@@ -347,6 +347,13 @@ def generator_main(cfg, samples_q, control_q, joined):
     finally:  # no stack was asked for: leave no empty file in the run directory
         if os.path.getsize(stack.name) == 0:
             os.remove(stack.name)
+    # stopped (or its trainer gone): out at once. Python's own exit, unloading torch and vLLM,
+    # took ~2 s more, which the trainer waits out (GeneratorHandle.stop); nobody reads what
+    # this process has not yet sent.
+    samples_q.cancel_join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def flush(q, timeout):

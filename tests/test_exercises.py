@@ -18,22 +18,20 @@ from exercise_mutants import ACCEPTED, CHEAP, MUTANTS
 from tools.exercise import EXERCISES, ROOT, SKIP, check, check_jobs, check_many, copy_code, find, later, make, replace
 
 
-def test_every_grader_passes_on_the_project():
-    """Every exercise's graders on the project's own code (the fast tier runs the cheap ones:
-    test_the_cheap_graders_are_the_exercises_and_pass)."""
-    graders = sorted({g for ex in EXERCISES.values() for g in ex["graders"]})
-    results = check(graders, ROOT)
-    assert results and all(results.values()), [t for t, ok in results.items() if not ok]
-
-
-def test_every_grader_fails_on_every_exercise(tmp_path):
-    """Each exercise's copy as `make` writes it fails every one of its graders (the copies
-    graded each in its own pytest, forked from one process: tools/exercise.py's check_jobs)."""
+def test_every_grader_fails_on_every_exercise_and_passes_on_the_project(tmp_path):
+    """Each exercise's copy as `make` writes it fails every one of its graders, and every
+    exercise's graders pass on the project's own code (the fast tier runs the cheap ones:
+    test_the_cheap_graders_are_the_exercises_and_pass). Each copy, and the project, graded
+    in its own pytest, forked from one process: tools/exercise.py's check_jobs."""
     for name in EXERCISES:
         make(name, str(tmp_path / name))
-    results = check_jobs([(EXERCISES[name]["graders"], str(tmp_path / name), name) for name in EXERCISES])
+    graders = sorted({g for ex in EXERCISES.values() for g in ex["graders"]})
+    *results, project = check_jobs(
+        [(EXERCISES[name]["graders"], str(tmp_path / name), name) for name in EXERCISES] + [(graders, ROOT, None)]
+    )
     passing = {name: [t for t, ok in got.items() if ok] for name, got in zip(EXERCISES, results)}
     assert all(results) and not any(passing.values()), passing
+    assert project and all(project.values()), [t for t, ok in project.items() if not ok]
 
 
 def statements(source):

@@ -84,10 +84,11 @@ def step_cfg(loss):
     )
 
 
-def grads_job(out, losses, checkpointing):
-    """Run by each of 2 ranks (torchrun): the step of train.optimize, gradients gathered
-    (with activation checkpointing as train.py --grad-checkpointing on sets it up), for
-    each of the comma-separated `losses` in turn."""
+def grads_job(out, *cases):
+    """Run by each of 2 ranks (torchrun): for each case "LOSSES:CHECKPOINTING", a fresh
+    model (with activation checkpointing as train.py --grad-checkpointing on sets it up, if
+    "on"), and the step of train.optimize, gradients gathered, for each of the
+    comma-separated LOSSES in turn."""
     import torch.distributed as dist
     import grpo
     import train
@@ -96,39 +97,55 @@ def grads_job(out, losses, checkpointing):
     torch.set_num_threads(1)
     ranks = Ranks()
     ranks.start("cpu")
-    model, batch, adv = the_batch()
-    if checkpointing == "on":
-        grpo.activation_checkpointing(model)
-        model.train()
-    model = ranks.shard(model)
     results = {}
-    for loss in losses.split(","):
-        cfg = step_cfg(loss)
-        share, share_adv, weights, n_micro = ranks.scatter(
-            batch,
-            adv,
-            grpo.token_weights(cfg, batch),
-            lambda answers: len(grpo.micro_batches(answers, cfg["micro_batch_tokens"])),
-        )
-        mine = (
-            sum(len(s["token_ids"]) for s in share),
-            len(grpo.micro_batches([s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])),
-        )
-        train.pi_old(cfg, model, ranks, [(share, share_adv, weights, n_micro)], "cpu")  # m2po: then its mask
-        cfg = grpo.loss_settings(cfg, share, share_adv, ranks.gather)
-        model.zero_grad(set_to_none=True)
-        total, gap, gap_tokens, *_ = ranks.sum(*grpo.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro))
-        grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
-        split = [None, None]
-        dist.all_gather_object(split, mine)
-        results[loss] = dict(loss=total, gap=gap / gap_tokens, grads=grads, split=split, n_micro=n_micro)
+    for case in cases:
+        losses, checkpointing = case.split(":")
+        model, batch, adv = the_batch()
+        if checkpointing == "on":
+            grpo.activation_checkpointing(model)
+            model.train()
+        model = ranks.shard(model)
+        results[case] = {}
+        for loss in losses.split(","):
+            cfg = step_cfg(loss)
+            share, share_adv, weights, n_micro = ranks.scatter(
+                batch,
+                adv,
+                grpo.token_weights(cfg, batch),
+                lambda answers: len(grpo.micro_batches(answers, cfg["micro_batch_tokens"])),
+            )
+            mine = (
+                sum(len(s["token_ids"]) for s in share),
+                len(grpo.micro_batches([s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])),
+            )
+            train.pi_old(cfg, model, ranks, [(share, share_adv, weights, n_micro)], "cpu")  # m2po: then its mask
+            cfg = grpo.loss_settings(cfg, share, share_adv, ranks.gather)
+            model.zero_grad(set_to_none=True)
+            total, gap, gap_tokens, *_ = ranks.sum(
+                *grpo.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro)
+            )
+            grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+            split = [None, None]
+            dist.all_gather_object(split, mine)
+            results[case][loss] = dict(loss=total, gap=gap / gap_tokens, grads=grads, split=split, n_micro=n_micro)
     if ranks.is_main:
         torch.save(results, out)
     ranks.stop()
 
 
-@pytest.mark.parametrize("losses, checkpointing", [("tis,ppo,none,icepop,geo,cispo,gspo,m2po", "off"), ("tis", "on")])
-def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, tmp_path):
+GRAD_CASES = [("tis,ppo,none,icepop,geo,cispo,gspo,m2po", "off"), ("tis", "on")]
+
+
+@pytest.fixture(scope="module")
+def two_rank_grads(tmp_path_factory):
+    """Every case of GRAD_CASES in one torchrun job (one start-up of 2 ranks, not one a case)."""
+    out = str(tmp_path_factory.mktemp("ranks") / "grads.pt")
+    run(torchrun(HERE, "grads", out, *(f"{losses}:{ckpt}" for losses, ckpt in GRAD_CASES)))
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("losses, checkpointing", GRAD_CASES)
+def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, two_rank_grads):
     """The loss is the token-level mean over the whole batch whatever the ranks: the
     gradient gathered from 2 FSDP2 ranks over a split batch equals one process's on the
     whole batch (float32, relative 1e-5 of the largest entry), with uneven splits (one
@@ -140,9 +157,7 @@ def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, tmp_pa
     Ranks.reshard its gradients were 0.09 off (of 0.2) on the tied embeddings."""
     import grpo
 
-    out = str(tmp_path / "grads.pt")
-    run(torchrun(HERE, "grads", out, losses, checkpointing))
-    for loss, got in torch.load(out, weights_only=False).items():
+    for loss, got in two_rank_grads[f"{losses}:{checkpointing}"].items():
         (tok0, mb0), (tok1, mb1) = got["split"]
         assert tok0 != tok1 and mb0 != mb1 and got["n_micro"] == max(mb0, mb1)  # uneven
         model, batch, adv = the_batch()

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from exercise_mutants import ACCEPTED, CHEAP, MUTANTS
-from tools.exercise import EXERCISES, ROOT, SKIP, check, check_jobs, check_many, copy_code, find, later, make, replace
+from tools.exercise import EXERCISES, ROOT, SKIP, check, check_jobs, copy_code, find, later, make, replace
 
 
 def test_every_grader_fails_on_every_exercise_and_passes_on_the_project(tmp_path):
@@ -128,35 +128,63 @@ def test_check_ignores_the_copys_tests_and_counts_a_skip_as_a_fail(tmp_path):
     assert check(graders[:1], str(copy)) == {graders[0]: False}
 
 
+def grade_variants(tmp, variants, graders, project):
+    """Each variant of `variants` ({exercise: [(label, file, old, new)]}, tests/exercise_mutants.py)
+    put alone into a copy of the project and graded by graders(exercise) (with project: the
+    project too, graded the same way), every copy of every exercise in one check_jobs call:
+    each copy in its own pytest, all forked from one process that imported the libraries once.
+    Returns {exercise: (each variant's {grader: passed}, the project's or None)}."""
+    jobs, spans = [], {}
+    for name, table in variants.items():
+        exercise = name if name in EXERCISES else None
+        first = len(jobs)
+        for i, (label, file, old, new) in enumerate(table):
+            copy = str(tmp / name / str(i))
+            copy_code(ROOT, copy)
+            replace(os.path.join(copy, file), old, new)
+            jobs.append((graders(name), copy, exercise))
+        if project:
+            jobs.append((graders(name), ROOT, exercise))
+        spans[name] = (first, len(jobs))
+    results = check_jobs(jobs)
+    return {
+        name: (results[a : b - 1], results[b - 1]) if project else (results[a:b], None)
+        for name, (a, b) in spans.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def mutants_graded(tmp_path_factory):
+    return grade_variants(
+        tmp_path_factory.mktemp("mutants"), MUTANTS, lambda name: CHEAP.get(name) or EXERCISES[name]["graders"], True
+    )
+
+
+@pytest.fixture(scope="module")
+def accepted_graded(tmp_path_factory):
+    return grade_variants(tmp_path_factory.mktemp("accepted"), ACCEPTED, lambda name: EXERCISES[name]["graders"], False)
+
+
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_every_mutant_fails_a_grader(name, tmp_path):
+def test_every_mutant_fails_a_grader(name, mutants_graded):
     """Each wrong answer of tests/exercise_mutants.py, put alone into a copy of the
     project, fails at least one of the exercise's cheap graders (each copy graded in its
-    own pytest, forked from one process: tools/exercise.py's check_many)."""
-    copies = []
-    for i, (label, file, old, new) in enumerate(MUTANTS[name]):
-        copies.append(str(tmp_path / str(i)))
-        copy_code(ROOT, copies[-1])
-        replace(os.path.join(copies[-1], file), old, new)
-    graders = CHEAP.get(name) or EXERCISES[name]["graders"]
-    *results, project = check_many(graders, [*copies, ROOT], name if name in EXERCISES else None)
+    own pytest, forked from one process: tools/exercise.py's check_jobs, by grade_variants)."""
+    results, project = mutants_graded[name]
     for (label, *_), got in zip(MUTANTS[name], results):
         print(f"{name}: {label}: caught by", [g for g, ok in got.items() if not ok])
+    assert len(results) == len(MUTANTS[name]) and all(results), results
     assert not [m[0] for m, got in zip(MUTANTS[name], results) if all(got.values())], "mutants no grader catches"
     assert all(project.values()), project  # and the project passes them, graded the same way
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
-def test_every_accepted_variant_passes_every_grader(name, tmp_path):
+def test_every_accepted_variant_passes_every_grader(name, accepted_graded):
     """The mirror of the mutants: each right answer in another form the task allows
     (tests/exercise_mutants.py's ACCEPTED), put alone into a copy, passes every grader of its
     exercise."""
-    copies = []
-    for i, (label, file, old, new) in enumerate(ACCEPTED[name]):
-        copies.append(str(tmp_path / str(i)))
-        copy_code(ROOT, copies[-1])
-        replace(os.path.join(copies[-1], file), old, new)
-    results = check_many(EXERCISES[name]["graders"], copies, name)
+    results, _ = accepted_graded[name]
+    assert len(results) == len(ACCEPTED[name])
     rejected = {v[0]: [g for g, ok in got.items() if not ok] for v, got in zip(ACCEPTED[name], results)}
     assert not any(rejected.values()), f"right answers a grader rejects: {rejected}"
 

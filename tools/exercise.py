@@ -455,11 +455,6 @@ def check(graders, where, exercise=None, messages=None):
     return results
 
 
-def check_many(graders, wheres, exercise=None):
-    """check(graders, where, exercise) for each of `wheres`, each in its own forked pytest (POSIX only)."""
-    return check_jobs([(graders, where, exercise) for where in wheres])
-
-
 def check_jobs(todo):
     """check(graders, where, exercise) for each (graders, where, exercise) of `todo`, each in
     its own pytest forked from one Python that imported the libraries once (POSIX only)."""

@@ -8,7 +8,7 @@ test_smoke checks a run: tests/test_train.py::test_gpu_check_on_cpu.)
 
     .venv/bin/python -m pytest -q tests/test_ranks.py
 
-Slow on 2 cores (4 processes + torchrun's agent): ~4 minutes in all.
+Slow on 2 cores (4 processes + torchrun's agent): ~3 minutes in all.
 """
 
 import json

@@ -1,6 +1,6 @@
 """
 tools/sweep.py end to end, small: two regimes x one seed of 3 steps each, evaluated every
-step, in a subprocess; then its tables and figures. Two train.py runs, ~5 min on 2 cores.
+step, in a subprocess; then its tables and figures. Two train.py runs, ~30 s on 2 cores.
 
     .venv/bin/python -m pytest -q tests/test_sweep.py
 """

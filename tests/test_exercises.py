@@ -134,7 +134,7 @@ def grade_variants(tmp, variants, graders, project):
     project too, graded the same way), every copy of every exercise in one check_jobs call:
     each copy in its own pytest, all forked from one process that imported the libraries once.
     Returns {exercise: (each variant's {grader: passed}, the project's or None)}."""
-    jobs, spans = [], {}
+    jobs, spans = [], {}  # spans: exercise -> its variants' jobs, jobs[a:b]; its project job, jobs[b]
     for name, table in variants.items():
         exercise = name if name in EXERCISES else None
         first = len(jobs)
@@ -143,14 +143,11 @@ def grade_variants(tmp, variants, graders, project):
             copy_code(ROOT, copy)
             replace(os.path.join(copy, file), old, new)
             jobs.append((graders(name), copy, exercise))
+        spans[name] = (first, len(jobs))
         if project:
             jobs.append((graders(name), ROOT, exercise))
-        spans[name] = (first, len(jobs))
     results = check_jobs(jobs)
-    return {
-        name: (results[a : b - 1], results[b - 1]) if project else (results[a:b], None)
-        for name, (a, b) in spans.items()
-    }
+    return {name: (results[a:b], results[b] if project else None) for name, (a, b) in spans.items()}
 
 
 @pytest.fixture(scope="module")

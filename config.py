@@ -376,6 +376,8 @@ def check_config(cfg):
             f"--minibatches must be between 1 and the batch's answers "
             f"({cfg['prompts_per_step'] * cfg['group_size']}), got {cfg.get('minibatches')}"
         )
+    if any(t <= 0 for t in cfg.get("eval_at", ())):
+        raise UsageError(f"--eval-at takes simulated seconds > 0, got {cfg['eval_at']}")
     if cfg["group_size"] < 2:
         raise UsageError(
             f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "

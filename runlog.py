@@ -69,6 +69,11 @@ class RunLog:
             self.activity = what
             self.event(dict(t=self.clock() if t is None else t, proc="trainer", what=what))
 
+    def eval_at(self, m):
+        """eval_at.jsonl: lesson.py --eval-at's pass@1 of the weights the generator held at simulated second m["t"]."""
+        with open(os.path.join(os.path.dirname(self.metrics.name), "eval_at.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+
     def metric(self, m):
         self.metrics.write(json.dumps(m) + "\n")
         self.metrics.flush()

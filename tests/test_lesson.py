@@ -165,6 +165,22 @@ def test_ppo_clip_binds_with_several_steps_per_batch(tmp_path):
         assert 0 < m["ess"] <= 1 and m["kl"] >= 0 and {"ess_stale", "kl_lag2", "clipped_frac_fresh"} <= set(m)
 
 
+def test_eval_at_scores_the_weights_held_then_and_costs_the_run_nothing(tmp_path):
+    """--eval-at t1,t2: pass@1 of the weights the generator held at simulated second t (the last
+    version loaded at or before t), evaluated after the run: the run's steps up to t2 are the
+    same, digit for digit, as a run without it; the run ends at t2."""
+    plain = read(run("stale", tmp_path / "plain", "--eval-n", "16"), "metrics.jsonl")
+    wall = {m["step"]: m["wall_s"] for m in plain}
+    t1, t2 = (wall[2] + wall[3]) / 2, wall[5] + 1e-6  # between two loads; just after the fifth
+    at = run("stale", tmp_path / "at", "--eval-n", "16", "--eval-at", f"{t2!r},{t1!r}")
+    assert [(e["t"], e["step"], e["version"]) for e in read(at, "eval_at.jsonl")] == [(t1, 2, 2), (t2, 5, 5)]
+    assert read(at, "metrics.jsonl") == plain[:5]  # steps 1-5 unchanged; none after t2
+    evals = read(at, "eval_answers.jsonl")
+    assert [(e["step"], e["version"]) for e in evals] == [(2, 2)] * 16 + [(5, 5)] * 16
+    with pytest.raises(Exception, match="--eval-at takes simulated seconds > 0"):
+        lesson.parse_config(["--eval-at", "0,5"])
+
+
 @pytest.mark.parametrize("regime", ["stale", "drain"])
 def test_weights_load_when_the_clock_says(regime, tmp_path):
     """A push is ready --train-s x the step's run tokens after it starts; the load runs

@@ -1,364 +1,427 @@
 """
-How far ahead should the generator run? The staleness frontier on lesson.py's simulated clock:
-pass@1 at equal simulated time and at equal steps, steps per minute, lag and the off-policy
-measures, over --max-lag (AReaL's eta), at two speeds of the trainer against the generator, at
-the learning rate where staleness bites, per loss; then stale KV against recompute where a third
-of the trained tokens would read stale KV. A rerun gives the same files (the clock is simulated).
+Stale KV or recompute, and how far ahead? The staleness frontier on lesson.py's simulated clock:
+pass@1 at fixed simulated budgets (equal time, exactly), for `--regime stale` (PipelineRL: new
+weights read the KV the old ones wrote) and `--regime recompute` (AReaL: that KV rebuilt) at
+`--max-lag` (AReaL's eta) 1, 2, 4, 8, beside `--regime sync`, at the long preset's learning rate
+and 4x it, per loss, at two speeds of the trainer against the generator. Every finished run's
+summary is appended to results/frontier.jsonl, which is committed: the tables and the figure are
+made from that file alone, so they outlive the machine that ran the grid, and a later session
+picks the grid up where the file leaves it.
 
-    .venv/bin/python tools/frontier.py --block trainer-x1-lr-x4   # 54 runs, ~70 minutes on 2 cores
-    .venv/bin/python tools/frontier.py --pilot                    # then the stale-KV pilot (26 runs)
-    .venv/bin/python tools/frontier.py                            # the rest of the grid (18 runs)
-    .venv/bin/python tools/frontier.py --table-only               # the tables from the runs on disk
-    .venv/bin/python tools/frontier.py --figure                   # docs/frontier.png, from the runs on disk
+    .venv/bin/python tools/frontier.py                  # run what the data file lacks, in ORDER (hours)
+    .venv/bin/python tools/frontier.py --only gen-slower-lr-x1/tis   # one (block, loss) of ORDER
+    .venv/bin/python tools/frontier.py --table-only     # the tables, from results/frontier.jsonl alone
+    .venv/bin/python tools/frontier.py --figure         # docs/frontier.png, from the same file
+    .venv/bin/python tools/frontier.py --rerun gen-slower-lr-x1/tis/stale-eta2-s0   # md5 of answers.jsonl again
 
-The runs. `lesson.py --preset long --regime recompute` (AReaL's regime: the KV of a half-written
-answer rebuilt under the new weights), 40 steps, pass@1 every 5 steps, seeds 0-2, each pinned to
-one core, --jobs at once (tools/stress.py's launch), block by block. --max-lag 0 is `--regime
-sync`, one batch per version. The cells (BLOCKS, ETAS, LOSSES below):
+Everything below was written down before the first run of this grid (the grid of 2026-12-04,
+all `recompute`, at one learning rate, with eta 8 and 16 that never got past lag ~3, is in
+RESULTS.md as it was; nothing of it is reused).
 
-    block                                  | eta               | losses          | seeds
-    trainer x1 (--train-s 1.16e-4), lr x4  | 0 1 2 4 8 16      | none ppo BEST   | 0-2
-    trainer x4 (--train-s 4.64e-4), lr x4  | 0 1 2 4 8 16      | ppo             | 0-2
+The runs. Each cell is `lesson.py --preset long --lr-schedule constant --eval-every 0` with the
+block's `--lr` and `--train-s`, the loss's flags, `--seed s` and `--eval-at` the block's budgets:
+the run ends at the last budget, and pass@1 (greedy, the preset's 512 test problems) is taken of
+the weights the generator held at each budget, evaluated after the run so that it costs the run
+no simulated time. The schedule is constant so that a run's path up to time T does not depend on
+how many steps it takes in all (a cosine over --steps would give sync, which takes fewer steps,
+a different learning rate at the same time). One core a run, --jobs at once, at nice 19.
 
-The default costs (trainer x1) make generation the slower side; trainer x4 makes training the
-slower side, as at the stress experiment's setting (tools/stress.py). lr x4 (--lr 2.4e-4) is where
-staleness bites (the stress pilot: the naive loss collapses at --max-lag 8).
-`none` is the naive loss (mu ignored: on-policy GRPO's gradient, -A grad log pi, on whatever
-the generator sampled; not AReaL's Table 2 row "without the decoupled objective", which is PPO's
-clip against mu, a trust region around the behaviour policy: the project has no token-level
-loss of that kind, gspo's clip against mu is per answer); `ppo` is AReaL's decoupled PPO;
-BEST is the stress experiment's best correction by its own rule (tools/stress.py holds, at
-max-lag 8, trainer x4, lr x4). Dropped, to fit one session's 3 hours with the pilot and
-a CI run (a run takes ~2.5 minutes of one core; the full grid, 198 runs, would take ~4 hours of
-both): at trainer x4, `none` and BEST (the stress experiment measured both there, at eta 8:
-`none` collapses, BEST holds; AReaL's loss is the one its Table 2 sets beside ours), and the
-preset's learning rate (lr x1), where the stress pilot found the naive loss holding (at
---max-lag 2). A first start of the earlier grid (90 runs, seed by seed) was stopped after 2
-minutes, its 2 unfinished runs deleted, to put the pilot before the second block.
+    block               | --train-s           | --lr               | losses
+    gen-slower-lr-x1    | 1.16e-4 (the clock) | 6e-5 (the preset's) | tis, ppo, gspo
+    gen-slower-lr-x4    | 1.16e-4             | 2.4e-4             | tis, ppo, gspo
+    train-slower-lr-x4  | 4.64e-4 (4x)        | 2.4e-4             | ppo
 
-The stale-KV pilot (--pilot), its setting chosen by this rule before it runs: of the block
-trainer-x1-lr-x4 (at trainer x4 only 9-13% of the trained tokens were stale in the stress runs),
-the lower --max-lag of 1 and 2 at which `stale --loss none` seed 0 trains at least 30% stale
-tokens (both are run first, side by side; the one not chosen is reported too); if neither
-does (at lr x4 answers may shorten), the one with the higher share, and the table says so. The rule as first
-committed read the recompute runs' `recomputed` instead; that counts every token a rebuild
-prefills (the prompt's, and an answer's again at each push it spans: 66% of the trained tokens
-at --max-lag 1, seeds 0-2, against the 35.4% stale tokens `stale` trained there), so it was
-replaced before any pilot run. There, `--regime
-stale` against `--regime recompute`, each with `none`, `tis` and BEST,
-seeds 0-4, the same flags as the frontier's cells otherwise: its recompute runs with a loss
-of the frontier's and seeds 0-2 are the frontier's runs, except recompute `none` seed 0, which
-is run again (the two answers.jsonl must be identical; the table says whether they are).
-25 runs, and the probe not chosen. Reported: stale - recompute per loss, paired
-by seed, at step 40 and at equal time (the earliest end of the pilot's runs), with the 95% t
-interval and its half-width (the smallest difference five seeds could have shown); and in the
-stale runs, KL(mu||pi) and ESS of the tokens that read stale KV beside the fresh tokens at the
-same lag (grpo.SPLITS), so the cache's own share of the mismatch is measured per token.
+and in each, `sync` and `stale`/`recompute` at --max-lag 1, 2, 4, 8, seeds 0-2. At the clock's
+measured costs generation is the slower side: the generator holds at most two batches in flight
+(max_num_seqs), so a run's lag stays near 3 whatever the bound (the last grid: eta 8 and 16 gave
+byte-identical files). At 4x --train-s training is the slower side: the generator fills the pool
+up to its bound, so the bound binds; each table gives the mean and the max lag each eta reached.
+The losses: `tis` (the default: truncated pi_old/mu weights), `ppo` (AReaL's decoupled PPO: the
+clip of pi/pi_old acts only when pi moves away from pi_old within a step, so it runs with
+`--minibatches 4`, AReaL's default `ppo_n_minibatches` in areal/api/cli_args.py; AReaL's gsm8k
+example sets 1, where its clip cannot bind either), `gspo` (per-answer ratios, the stress
+experiment's best by its rule). Dropped, and why: `none` (the naive loss; the stress experiment
+measured it), --max-lag 16 (unreachable unless training is the slower side; at 8 the bound
+already sits past what the pool holds at the default costs), `tis` and `gspo` when training is
+the slower side (the issue's grid: the bound-binding block with `ppo`), lr x1 there.
 
-The rules, written before the first run:
-- Equal time: within a block, T = the earliest end (last evaluation's simulated second) of any
-  of its runs; a run's pass@1 at T is its last evaluation at or before T. Equal steps: pass@1 at
-  step 40.
-- The best eta of a block and loss: the highest mean pass@1 at T over the seeds; a tie goes to
-  the smaller eta. Beside it, every eta whose paired difference from the best (per seed, t
-  interval, tools/sweep.py's t_interval) includes 0: the seeds cannot tell them apart.
-- Each difference is reported with its 95% t interval over the 3 seeds and the smallest
-  difference those seeds could have shown (the interval's half-width): a null result states
-  its power.
-
-Runs go to out/frontier/<block>/<loss>-eta<k>-s<seed>/ (a finished run is not run again);
-runtime.json in each records its wall-clock seconds.
+The rules:
+- Budgets: per block, the simulated seconds at which its probe (`sync`, the block's first loss,
+  seed 0, `--steps 40`) ends steps 10, 20 and 40, to 0.1 s. The probe runs first; its budgets
+  are recorded in the data file and used by every run of the block.
+- Stale against recompute: at each eta and budget, stale - recompute per seed (paired: the
+  same seed samples the same problems), the mean with its 95% t interval over the seeds.
+  "cannot tell" where the interval holds 0. Beside it the difference the seeds could detect
+  with 80% power, (t_.975 + t_.80) x sd / sqrt(n) with the pairs' sd (the interval's half-width
+  is found only about half the time).
+- The best setting of a block and loss: of its 9 settings (sync; stale and recompute at each
+  eta), the highest mean pass@1 at the last budget, a tie going to the setting listed first
+  (sync, then smaller eta, stale before recompute). Beside it every setting whose paired
+  difference from the best has a 95% t interval holding 0: the seeds cannot tell them apart.
+- 5 seeds (3, 4 added) for the `tis` stale and recompute runs at the (block, eta) where `tis`
+  `stale` trained the largest mean share of stale tokens over seeds 0-2.
 """
 
 import argparse
+import hashlib
+import json
 import os
 import statistics
+import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from course import finished  # noqa: E402
-from stress import at_time, launch, ms, read_run  # noqa: E402
-from sweep import t_interval  # noqa: E402
-from runlog import read_jsonl  # noqa: E402
+from runlog import per_token, read_jsonl  # noqa: E402
+from sweep import T975  # noqa: E402
 
-SEEDS = (0, 1, 2)
-ETAS = (0, 1, 2, 4, 8, 16)
-BASE = ("--preset", "long", "--regime", "recompute", "--steps", "40", "--eval-every", "5")
-TRAIN_S = {"x1": 1.16e-4, "x4": 4.64e-4}  # lesson.py's default, and 4x it
+DATA = os.path.join(ROOT, "results", "frontier.jsonl")
+SEEDS, EXTRA_SEEDS = (0, 1, 2), (3, 4)
+ETAS = (1, 2, 4, 8)
+REGIMES = ("stale", "recompute")
+SETTINGS = [("sync", 0)] + [(regime, eta) for eta in ETAS for regime in REGIMES]  # in the rule's tie order
+BASE = ("--preset", "long", "--lr-schedule", "constant", "--eval-every", "0", "--steps", "1000")
+TRAIN_S = {"gen-slower": 1.16e-4, "train-slower": 4.64e-4}  # lesson.py's measured clock, and training 4x slower
 LR = {"x1": 6e-5, "x4": 2.4e-4}  # the long preset's, and 4x it
-BEST = "gspo"  # the stress experiment's best correction by its rule (RESULTS.md); set before the first run
-BLOCKS = {  # name -> (trainer speed, learning rate, losses); run in this order
-    "trainer-x1-lr-x4": ("x1", "x4", ("none", "ppo", BEST)),
-    "trainer-x4-lr-x4": ("x4", "x4", ("ppo",)),
+LOSS_FLAGS = {"tis": (), "ppo": ("--minibatches", "4"), "gspo": ()}
+BLOCKS = {  # name -> (trainer speed, learning rate, losses)
+    "gen-slower-lr-x1": ("gen-slower", "x1", ("tis", "ppo", "gspo")),
+    "gen-slower-lr-x4": ("gen-slower", "x4", ("tis", "ppo", "gspo")),
+    "train-slower-lr-x4": ("train-slower", "x4", ("ppo",)),
 }
+ORDER = [  # (block, loss) in the order they run: the default loss first, at both rates, then the binding bound
+    ("gen-slower-lr-x1", "tis"),
+    ("gen-slower-lr-x4", "tis"),
+    ("train-slower-lr-x4", "ppo"),
+    ("gen-slower-lr-x1", "ppo"),
+    ("gen-slower-lr-x4", "ppo"),
+    ("gen-slower-lr-x1", "gspo"),
+    ("gen-slower-lr-x4", "gspo"),
+]
+PROBE_STEPS = (10, 20, 40)  # the budgets: when the block's sync probe ends these steps
+T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
 
 
-def run_dir(out, block, loss, eta, seed):
-    return os.path.join(out, block, f"{loss}-eta{eta}-s{seed}")
-
-
-def flags(block, loss, eta, seed):
+def cell_flags(block, loss, regime, eta, seed):
     speed, lr, _ = BLOCKS[block]
-    regime = ("--regime", "sync") if eta == 0 else ("--max-lag", str(eta))
-    return (*BASE, *regime, "--loss", loss, "--lr", str(LR[lr]), "--train-s", str(TRAIN_S[speed]), "--seed", str(seed))
+    lag = ("--regime", "sync") if regime == "sync" else ("--regime", regime, "--max-lag", str(eta))
+    speed_flags = ("--lr", str(LR[lr]), "--train-s", str(TRAIN_S[speed]))
+    return (*BASE, *lag, "--loss", loss, *LOSS_FLAGS[loss], *speed_flags, "--seed", str(seed))
 
 
-def plan(out, blocks=BLOCKS):
-    """Every (flags, run directory) of the grid, block by block, seed by seed within a block."""
-    return [
-        (flags(block, loss, eta, seed), run_dir(out, block, loss, eta, seed))
-        for block in blocks
-        for losses in [BLOCKS[block][2]]
-        for seed in SEEDS
-        for loss in losses
-        for eta in ETAS
-    ]
+def cell_name(block, loss, regime, eta, seed):
+    return f"{block}/{loss}/{regime}-eta{eta}-s{seed}"
 
 
-PILOT_SEEDS = (0, 1, 2, 3, 4)
-PILOT_LOSSES = ("none", "tis", BEST)
-PILOT_BLOCK = "trainer-x1-lr-x4"
-PILOT_SHARE = 0.30  # the rule's least share of stale tokens
+def read_data(path=DATA):
+    """{"budgets": {block: [t, ...]}, "runs": {cell name: summary}} from the data file."""
+    budgets, runs = {}, {}
+    for rec in read_jsonl(path) if os.path.exists(path) else []:
+        if rec["kind"] == "budgets":
+            budgets[rec["block"]] = rec["budgets"]
+        else:
+            runs[rec["cell"]] = rec
+    return dict(budgets=budgets, runs=runs)
 
 
-def probe_shares(out):
-    """{--max-lag: share of stale tokens} of the rule's two probes, `stale --loss none` seed 0."""
-    return {eta: read_run(pilot_plan(out, eta)[0][1])["stale"] for eta in (1, 2)}
+def append(rec, path=DATA):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, sort_keys=True) + "\n")
 
 
-def pilot_eta(out, jobs, table_only):
-    """The pilot's --max-lag by the rule (docstring): the lower of 1, 2 at which `stale --loss
-    none` seed 0 trains >= 30% stale tokens (both run, side by side); if neither, the higher
-    share's; None while a probe is unfinished."""
-    probes = {eta: pilot_plan(out, eta)[0] for eta in (1, 2)}  # (flags, run) of stale none seed 0
-    if not table_only:
-        launch(jobs, [p for p in probes.values() if not finished(p[1])])
-    if not all(finished(run) for _, run in probes.values()):
-        return None
-    share = probe_shares(out)
-    print(", ".join(f"--max-lag {eta}: {v:.1%} stale tokens" for eta, v in share.items()), file=sys.stderr)
-    return min((eta for eta, v in share.items() if v >= PILOT_SHARE), default=max(share, key=share.get))
+def md5(path):
+    return hashlib.md5(open(path, "rb").read()).hexdigest()
 
 
-RERUN = ("none", 0)  # the frontier cell the pilot runs again
-
-
-def pilot_dir(out, eta, regime, loss, seed):
-    """A recompute run the frontier made is read from the frontier (but RERUN, run again here)."""
-    if regime == "recompute" and loss in BLOCKS[PILOT_BLOCK][2] and seed in SEEDS and (loss, seed) != RERUN:
-        return run_dir(out, PILOT_BLOCK, loss, eta, seed)
-    return os.path.join(out, "pilot", f"eta{eta}", f"{regime}-{loss}-s{seed}")
-
-
-def pilot_plan(out, eta):
-    """The pilot's (flags, run directory): the frontier cell's flags with --regime stale or recompute."""
-    todo = []
-    for seed in PILOT_SEEDS:
-        for loss in PILOT_LOSSES:
-            for regime in ("stale", "recompute"):
-                f = list(flags(PILOT_BLOCK, loss, eta, seed))
-                f[f.index("--regime") + 1] = regime
-                todo.append((tuple(f), pilot_dir(out, eta, regime, loss, seed)))
-    return todo
-
-
-def pilot_table(out, eta):
-    """stale - recompute per loss (paired by seed, at step 40 and at equal time), and the stale
-    runs' per-token KL and ESS of stale-KV tokens beside fresh ones at the same lag."""
-    runs = {
-        (regime, loss): [pilot_dir(out, eta, regime, loss, s) for s in PILOT_SEEDS]
-        for regime in ("stale", "recompute")
-        for loss in PILOT_LOSSES
-    }
-    if not all(finished(r) for rs in runs.values() for r in rs):
-        return "(the pilot's runs are not all finished)"
-    data = {k: [read_run(r) for r in rs] for k, rs in runs.items()}
-    t = min(r["curve"][-1][1] for rs in data.values() for r in rs)
-    probes = probe_shares(out)
-    lines = [
-        "The rule's probes, `stale --loss none` seed 0: "
-        + ", ".join(f"--max-lag {k} trains {v:.1%} stale tokens" for k, v in probes.items())
-        + (
-            f"; the pilot runs at {eta}"
-            if probes[eta] >= PILOT_SHARE
-            else f"; neither reaches {PILOT_SHARE:.0%}: the higher, {eta}"
-        ),
-        "",
-        f"Stale KV against recompute at `--max-lag {eta}` (block {PILOT_BLOCK}), seeds "
-        f"{PILOT_SEEDS[0]}-{PILOT_SEEDS[-1]}; equal time T = {t:.0f} simulated s; stale - recompute in points, "
-        "paired by seed (95% t interval; ± its half-width, the smallest difference the seeds could show)",
-        "",
-        "| loss | stale at step 40 | recompute | stale - recompute | stale at T | recompute at T "
-        "| stale - recompute at T | stale tokens | recomputed |",
-        "|---" * 9 + "|",
-    ]
-    for loss in PILOT_LOSSES:
-        s, r = data[("stale", loss)], data[("recompute", loss)]
-        cells = []
-        for pick in (lambda x: x["final"], lambda x: at_time(x["curve"], t)):
-            text, half = interval([100 * (pick(a) - pick(b)) for a, b in zip(s, r)])
-            cells += [ms([pick(a) for a in s]), ms([pick(b) for b in r]), f"{text} (± {half:.1f})"]
-        lines.append(
-            f"| {loss} | {' | '.join(cells)} | {100 * statistics.mean(a['stale'] for a in s):.1f}% "
-            f"| {100 * statistics.mean(b['recomputed'] for b in r):.1f}% |"
-        )
-    a, b = (
-        os.path.join(d, "answers.jsonl")
-        for d in (pilot_dir(out, eta, "recompute", *RERUN), run_dir(out, PILOT_BLOCK, RERUN[0], eta, RERUN[1]))
+def summarize(run):
+    """What the tables need of one finished run, read from its files."""
+    metrics = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    steps = [m for m in metrics if "trained_tokens" in m]
+    at = read_jsonl(os.path.join(run, "eval_at.jsonl"))
+    last = [a for a in read_jsonl(os.path.join(run, "eval_answers.jsonl")) if a["step"] == at[-1]["step"]]
+    mean = lambda key: statistics.mean(v) if (v := [m[key] for m in steps if m.get(key) is not None]) else None
+    trained = sum(m["trained_tokens"] for m in steps)
+    return dict(
+        acc={str(a["t"]): a["eval_acc"] for a in at},  # pass@1 at each budget (str: a JSON key)
+        step_at={str(a["t"]): a["step"] for a in at},
+        steps=len(steps),
+        end_s=steps[-1]["wall_s"],
+        steps_per_min=60 * len(steps) / steps[-1]["wall_s"],
+        lag_mean=per_token(steps, "lag_mean"),
+        lag_max=max(m["lag_max"] for m in steps),
+        stale=per_token(steps, "stale_token_frac"),
+        recomputed=sum(m.get("recomputed_tokens", 0) for m in steps) / max(trained, 1),
+        ess=mean("ess"),
+        kl=mean("kl"),
+        clipped=mean("clipped_frac"),
+        finished_right=sum(a["finished"] and a["right"] for a in last),  # at the last budget, of len(last)
+        finished=sum(a["finished"] for a in last),
+        answers=len(last),
+        answers_md5=md5(os.path.join(run, "answers.jsonl")),
     )
-    same = open(a, "rb").read() == open(b, "rb").read()
-    lines += [
-        "",
-        f"recompute {RERUN[0]} seed {RERUN[1]} run twice (the pilot's and the frontier's): answers.jsonl "
-        + ("identical" if same else "DIFFERENT"),
-        "",
-        "The stale runs' tokens split by whether they read stale KV, at the same lag: KL(mu‖pi) and ESS, "
-        "the mean over steps and seeds of each step's value (steps without such a token left out)",
-        "",
-        "| loss | lag | KL stale-KV tokens | KL fresh tokens | ESS stale-KV | ESS fresh |",
-        "|---" * 6 + "|",
-    ]
-    for loss in PILOT_LOSSES:
-        steps = [m for d in runs[("stale", loss)] for m in read_jsonl(os.path.join(d, "metrics.jsonl")) if "kl" in m]
-        for lag in (0, 1, 2):
-            mean = lambda key, fmt="{:.1e}": (
-                fmt.format(statistics.mean(v)) if (v := [m[key] for m in steps if m.get(key) is not None]) else "-"
-            )
-            lines.append(
-                f"| {loss} | {lag if lag < 2 else '2+'} | {mean(f'kl_stale_lag{lag}')} | {mean(f'kl_fresh_lag{lag}')} "
-                f"| {mean(f'ess_stale_lag{lag}', '{:.4f}')} | {mean(f'ess_fresh_lag{lag}', '{:.4f}')} |"
-            )
-    return "\n".join(lines)
 
 
-def read_block(out, block):
-    """{(loss, eta): [read_run per finished seed]} of a block."""
-    rows = {}
-    for loss in BLOCKS[block][2]:
-        for eta in ETAS:
-            runs = [run_dir(out, block, loss, eta, s) for s in SEEDS]
-            rows[(loss, eta)] = [read_run(r) for r in runs if finished(r)]
-    return rows
+def launch_one(flags, run, cores):
+    """lesson.py with these flags into `run`, at nice 19, pinned to `cores`: a Popen."""
+    os.makedirs(run, exist_ok=True)
+    return subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
+        stdout=open(os.path.join(run, "stdout.txt"), "w"),
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )
+
+
+def run_all(jobs, todo, on_done):
+    """Run each (name, flags, run directory) of todo, `jobs` at once, a core each; on_done(name, run, seconds)."""
+    ncores = len(os.sched_getaffinity(0))
+    running, free = [], list(range(jobs))
+    while todo or running:
+        while todo and free:
+            name, flags, run = todo.pop(0)
+            core = free.pop(0)
+            print(f"{time.strftime('%H:%M:%S')} start {name} (core {core % ncores})", file=sys.stderr, flush=True)
+            running.append((launch_one(flags, run, {core % ncores}), core, name, run, time.time()))
+        time.sleep(2)
+        for item in list(running):
+            p, core, name, run, t0 = item
+            if p.poll() is None:
+                continue
+            running.remove(item)
+            free.append(core)
+            if p.returncode:
+                sys.exit(f"frontier.py: {name} failed (exit {p.returncode}): see {run}/stdout.txt")
+            on_done(name, run, time.time() - t0)
+            print(f"{time.strftime('%H:%M:%S')} done {name} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+
+def probe_budgets(out, block, jobs):
+    """The block's budgets by the rule: its sync probe's simulated time at the ends of PROBE_STEPS."""
+    data = read_data()
+    if block in data["budgets"]:
+        return data["budgets"][block]
+    loss = next(loss for b, loss in ORDER if b == block)
+    run = os.path.join(out, block, "probe")
+    flags = (*cell_flags(block, loss, "sync", 0, 0), "--steps", str(PROBE_STEPS[-1]))  # the last --steps wins
+    run_all(1, [(f"{block}/probe", flags, run)], lambda *a: None)
+    wall = {m["step"]: m["wall_s"] for m in read_jsonl(os.path.join(run, "metrics.jsonl")) if "wall_s" in m}
+    budgets = [round(wall[s], 1) for s in PROBE_STEPS]
+    append(dict(kind="budgets", block=block, budgets=budgets, probe=" ".join(flags), probe_steps=PROBE_STEPS))
+    return budgets
+
+
+def grid(block, loss, seeds=SEEDS, settings=SETTINGS):
+    return [(block, loss, regime, eta, seed) for seed in seeds for regime, eta in settings]
+
+
+def extension():
+    """The rule's 5-seed pairs: tis stale and recompute, seeds 3-4, at the (block, eta) where tis stale
+    trained the most stale tokens over seeds 0-2; None until those runs are all in the data file."""
+    runs = read_data()["runs"]
+    shares = {}
+    for block, (_, _, losses) in BLOCKS.items():
+        for eta in ETAS if "tis" in losses else ():
+            cells = [runs.get(cell_name(block, "tis", "stale", eta, s)) for s in SEEDS]
+            if None in cells:
+                return None
+            shares[(block, eta)] = statistics.mean(c["stale"] for c in cells)
+    block, eta = max(shares, key=shares.get)
+    return block, eta, shares[(block, eta)]
+
+
+def run_grid(out, jobs, only=None):
+    def done(name, run, seconds):
+        block, loss, rest = name.split("/")
+        flags = " ".join(flag_of[name])
+        append(
+            dict(
+                kind="run",
+                cell=name,
+                block=block,
+                loss=loss,
+                flags=flags,
+                runtime_s=round(seconds, 1),
+                **summarize(run),
+            )
+        )
+
+    flag_of = {}
+    for block, loss in [tuple(only.split("/"))] if only else ORDER:
+        budgets = probe_budgets(out, block, jobs)
+        have = read_data()["runs"]
+        todo = []
+        for cell in grid(block, loss):
+            name = cell_name(*cell)
+            if name not in have:
+                flag_of[name] = (*cell_flags(*cell), "--eval-at", ",".join(f"{t:g}" for t in budgets))
+                todo.append((name, flag_of[name], os.path.join(out, name)))
+        print(f"{block}/{loss}: {len(todo)} runs to go, budgets {budgets} s", file=sys.stderr, flush=True)
+        run_all(jobs, todo, done)
+    if not only and (ext := extension()):
+        block, eta, _ = ext
+        have, todo = read_data()["runs"], []
+        for regime in REGIMES:
+            for seed in EXTRA_SEEDS:
+                name = cell_name(block, "tis", regime, eta, seed)
+                if name not in have:
+                    at = ",".join(f"{t:g}" for t in read_data()["budgets"][block])
+                    flag_of[name] = (*cell_flags(block, "tis", regime, eta, seed), "--eval-at", at)
+                    todo.append((name, flag_of[name], os.path.join(out, name)))
+        run_all(jobs, todo, done)
+
+
+# -----------------------------------------------------------------------------
+# the tables, from the data file alone
 
 
 def interval(d):
-    """'mean [low, high]' in points, and the interval's half-width (the smallest difference the seeds could show)."""
-    ci = t_interval(d)
-    if not ci:
-        return f"{statistics.mean(d):+.1f}", None
-    return f"{statistics.mean(d):+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]", (ci[1] - ci[0]) / 2
+    """(mean, low, high, detectable at 80% power) of paired differences d, in points; None bounds with < 2."""
+    m = statistics.mean(d)
+    if len(d) < 2:
+        return m, None, None, None
+    se = statistics.stdev(d) / len(d) ** 0.5
+    return m, m - T975[len(d) - 1] * se, m + T975[len(d) - 1] * se, (T975[len(d) - 1] + T80[len(d) - 1]) * se
 
 
-def best_eta(cells):
-    """The rule: cells {eta: [pass@1 at T per seed, in seed order]} -> (the eta of the highest
-    mean, ties to the smaller; every eta whose paired difference from it has a 95% t interval
-    holding 0, the best included)."""
-    top = max(cells, key=lambda eta: (statistics.mean(cells[eta]), -eta))
+def said(d):
+    """A paired difference as the write-up says it: mean [low, high], and 'cannot tell' where the interval holds 0."""
+    m, lo, hi, power = interval(d)
+    if lo is None:
+        return f"{m:+.1f} (one seed)"
+    verdict = "cannot tell" if lo <= 0 <= hi else ("higher" if lo > 0 else "lower")
+    return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict}; 80%: {power:.1f}"
+
+
+def cells(runs, block, loss, regime, eta, seeds=SEEDS):
+    got = [runs.get(cell_name(block, loss, regime, eta, s)) for s in seeds]
+    return got if None not in got else None
+
+
+def best_setting(accs):
+    """The rule: accs {setting: [pass@1 at the last budget per seed, seed order]} (settings in tie order) ->
+    (the best, every setting whose paired difference from it has a 95% t interval holding 0, the best too)."""
+    top = max(accs, key=lambda k: (statistics.mean(accs[k]), -list(accs).index(k)))
     same = []
-    for eta, accs in cells.items():
-        ci = t_interval([100 * (a - b) for a, b in zip(accs, cells[top])])
-        if eta == top or (ci and ci[0] <= 0 <= ci[1]):
-            same.append(eta)
+    for k in accs:
+        _, lo, hi, _ = interval([100 * (a - b) for a, b in zip(accs[k], accs[top])])
+        if k == top or (lo is not None and lo <= 0 <= hi):
+            same.append(k)
     return top, same
 
 
-def block_table(out, block):
-    """The block's table and the best eta per loss by the rule; None when a cell is unfinished."""
-    rows = read_block(out, block)
-    if any(len(v) < len(SEEDS) for v in rows.values()):
-        missing = sum(len(SEEDS) - len(v) for v in rows.values())
-        return f"({block}: {missing} runs not finished)", None
-    t = min(r["curve"][-1][1] for runs in rows.values() for r in runs)
-    speed, lr, losses = BLOCKS[block]
+def block_table(data, block, loss):
+    """The (block, loss) table: every setting at every budget, lag reached, off-policy measures."""
+    runs, budgets = data["runs"], data["budgets"].get(block)
+    rows = {s: cells(runs, block, loss, *s) for s in SETTINGS}
+    if budgets is None or None in rows.values():
+        n = sum(1 for s in SETTINGS for seed in SEEDS if cell_name(block, loss, *s, seed) not in runs)
+        return f"({block}, {loss}: {n} of {len(SETTINGS) * len(SEEDS)} runs not in the data file yet)", None
+    speed, lr, _ = BLOCKS[block]
+    ts = [str(t) for t in budgets]
+    head = " | ".join(f"pass@1 at {float(t):g} s" for t in ts)
     lines = [
-        f"**{block}** (`--train-s {TRAIN_S[speed]:g} --lr {LR[lr]:g}`): pass@1 at equal time T = {t:.0f} simulated s, "
-        "and at step 40; differences from the best eta of the same loss, paired by seed (points, 95% t interval)",
+        f"**{block}, `{loss}`** (`--train-s {TRAIN_S[speed]:g} --lr {LR[lr]:g}{' '.join(('',) + LOSS_FLAGS[loss])}`; "
+        f"budgets: `sync` seed 0's steps {', '.join(map(str, PROBE_STEPS))}); mean ± sd over seeds 0-{SEEDS[-1]}",
         "",
-        "| loss | eta | pass@1 at T | vs best | pass@1 at step 40 | steps/min | lag | stale tokens | recomputed "
-        "| ESS | KL(mu‖pi) | clipped | runtime s |",
-        "|---" * 13 + "|",
+        f"| setting | {head} | steps by the last | steps/min | lag mean | lag max | stale tokens | recomputed "
+        "| ESS | KL(mu‖pi) | clipped | finished & right at the last |",
+        "|---" * (11 + len(ts)) + "|",
     ]
-    best = {}
-    for loss in losses:
-        top, same = best_eta({eta: [at_time(r["curve"], t) for r in rows[(loss, eta)]] for eta in ETAS})
-        for eta in ETAS:
-            runs = rows[(loss, eta)]
-            d = [100 * (at_time(a["curve"], t) - at_time(b["curve"], t)) for a, b in zip(runs, rows[(loss, top)])]
-            text, half = interval(d) if eta != top else ("best", None)
-            text += f" (± {half:.1f})" if half is not None else ""
-            mean = lambda key, fmt: fmt.format(statistics.mean(r[key] for r in runs))
-            lines.append(
-                f"| {loss} | {eta if eta else '0 (sync)'} | {ms([at_time(r['curve'], t) for r in runs])} | {text} "
-                f"| {ms([r['final'] for r in runs])} | {ms([r['steps_per_min'] for r in runs], '{:.1f}')} "
-                f"| {mean('lag', '{:.2f}')} | {100 * statistics.mean(r['stale'] for r in runs):.1f}% "
-                f"| {100 * statistics.mean(r['recomputed'] for r in runs):.0f}% "
-                f"| {mean('ess', '{:.3f}')} | {mean('kl', '{:.1e}')} "
-                f"| {100 * statistics.mean(r['clipped'] for r in runs):.1f}% "
-                f"| {statistics.mean(r['runtime'] or 0 for r in runs):.0f} |"
-            )
-        best[loss] = (top, same)
-    lines.append("")
-    for loss, (top, same) in best.items():
+    fmt = lambda v, f="{:.3f}": f"{f.format(statistics.mean(v))} ± {f.format(statistics.stdev(v))}"
+    pct = lambda rs, k, f="{:.1f}%": f.format(100 * statistics.mean(r[k] or 0 for r in rs))
+    for (regime, eta), rs in rows.items():
+        name = "sync" if regime == "sync" else f"{regime} eta {eta}"
+        mean = lambda k, f: f.format(statistics.mean(r[k] for r in rs)) if all(r[k] is not None for r in rs) else "-"
         lines.append(
-            f"- {loss}: best eta by the rule **{top}**; the seeds cannot tell it from eta "
-            + ", ".join(str(e) for e in same if e != top)
-            if len(same) > 1
-            else f"- {loss}: best eta by the rule **{top}**, apart from every other eta"
-        )
-    return "\n".join(lines), best
+            f"| {name} | " + " | ".join(fmt([r["acc"][t] for r in rs]) for t in ts)
+            + f" | {statistics.mean(r['steps'] for r in rs):.0f} | {fmt([r['steps_per_min'] for r in rs], '{:.1f}')}"
+            f" | {mean('lag_mean', '{:.2f}')} | {max(r['lag_max'] for r in rs)}"
+            f" | {pct(rs, 'stale')} | {pct(rs, 'recomputed', '{:.0f}%')}"
+            f" | {mean('ess', '{:.3f}')} | {mean('kl', '{:.1e}')} | {pct(rs, 'clipped')}"
+            f" | {statistics.mean(r['finished_right'] for r in rs):.0f} of {rs[0]['answers']} |"
+        )  # fmt: skip
+    lines += [
+        "",
+        "stale - recompute, paired by seed (points: mean [95% t interval]; 80%: the difference the seeds "
+        "would detect with 80% power)",
+        "",
+    ]
+    lines += ["| eta | " + " | ".join(f"at {float(t):g} s" for t in ts) + " |", "|---" * (1 + len(ts)) + "|"]
+    for eta in ETAS:
+        five = SEEDS + EXTRA_SEEDS
+        seeds = five if all(cells(runs, block, loss, regime, eta, five) for regime in REGIMES) else SEEDS
+        s, r = (cells(runs, block, loss, regime, eta, seeds) for regime in REGIMES)
+        diffs = [said([100 * (a["acc"][t] - b["acc"][t]) for a, b in zip(s, r)]) for t in ts]
+        lines.append(f"| {eta}{' (5 seeds)' if len(seeds) > 3 else ''} | " + " | ".join(diffs) + " |")
+    top, same = best_setting({k: [r["acc"][ts[-1]] for r in v] for k, v in rows.items()})
+    label = lambda k: "sync" if k[0] == "sync" else f"{k[0]} eta {k[1]}"
+    others = [label(k) for k in same if k != top]
+    lines += ["", f"Best at {float(ts[-1]):g} s by the rule: **{label(top)}**; the seeds cannot tell it from "]
+    lines[-1] += (", ".join(others) if others else "no other setting") + "."
+    return "\n".join(lines), (top, same)
 
 
-def figure(out, path):
-    """pass@1 at equal time against eta, one line per loss (the seeds' range as a band), and
-    steps/min against eta beside it (AReaL's Fig. 5c), one row per block."""
-    from plot import plot_frontier
+def tables(data):
+    out = []
+    for block, loss in ORDER:
+        out.append(block_table(data, block, loss)[0])
+    return "\n\n".join(out)
 
-    blocks = {}
-    for block in BLOCKS:
-        rows = read_block(out, block)
-        if any(len(v) < len(SEEDS) for v in rows.values()):
-            continue
-        t = min(r["curve"][-1][1] for runs in rows.values() for r in runs)
-        blocks[f"{block} (T = {t:.0f} s)"] = {
-            loss: [
-                ([at_time(r["curve"], t) for r in rows[(loss, eta)]], [r["steps_per_min"] for r in rows[(loss, eta)]])
-                for eta in ETAS
-            ]
-            for loss in BLOCKS[block][2]
-        }
-    return plot_frontier(blocks, ETAS, path)
+
+def figure(data, path):
+    """pass@1 at the last budget against eta, stale and recompute (sync at 0), one panel per (block, loss)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [(b, loss) for b, loss in ORDER if block_table(data, b, loss)[1]]
+    fig, axes = plt.subplots(1, max(1, len(done)), figsize=(3.6 * max(1, len(done)), 3.2), squeeze=False)
+    for ax, (block, loss) in zip(axes[0], done):
+        t = str(data["budgets"][block][-1])
+        sync = [r["acc"][t] for r in cells(data["runs"], block, loss, "sync", 0)]
+        ax.axhline(statistics.mean(sync), color="black", lw=1, label="sync")
+        for regime, c in zip(REGIMES, ("tab:blue", "tab:green")):
+            ys = [[r["acc"][t] for r in cells(data["runs"], block, loss, regime, eta)] for eta in ETAS]
+            ax.plot(range(len(ETAS)), [statistics.mean(y) for y in ys], "o-", color=c, ms=3, label=regime)
+            ax.fill_between(range(len(ETAS)), [min(y) for y in ys], [max(y) for y in ys], color=c, alpha=0.15, lw=0)
+        ax.set_xticks(range(len(ETAS)), [str(e) for e in ETAS])
+        ax.set_xlabel("--max-lag")
+        ax.set_title(f"{block}\n{loss}: pass@1 at {float(t):g} s", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join("out", "frontier"), help="where the runs go")
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "frontier"), help="where the runs go")
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="runs at once, one core each")
-    p.add_argument("--block", choices=list(BLOCKS), help="run only this block of the grid")
-    p.add_argument("--pilot", action="store_true", help="the stale-KV pilot (after the frontier's first block)")
-    p.add_argument("--table-only", action="store_true", help="no new runs: tables from the runs on disk")
-    p.add_argument("--figure", action="store_true", help="draw docs/frontier.png from the runs on disk")
+    p.add_argument("--only", choices=[f"{b}/{loss}" for b, loss in ORDER], help="run only this (block, loss)")
+    p.add_argument("--table-only", action="store_true", help="no runs: the tables from results/frontier.jsonl")
+    p.add_argument("--figure", action="store_true", help="no runs: docs/frontier.png from results/frontier.jsonl")
+    p.add_argument("--rerun", metavar="CELL", help="run one cell of the data file again; compare answers.jsonl's md5")
     args = p.parse_args()
-    if args.pilot:
-        eta = pilot_eta(args.out, args.jobs, args.table_only)
-        if eta is None:
-            sys.exit("frontier.py --pilot: the probes (stale none seed 0 at --max-lag 1 and 2) are not finished")
-        print(f"the pilot's --max-lag by the rule: {eta}", file=sys.stderr)
-        if not args.table_only:
-            launch(args.jobs, [(f, r) for f, r in pilot_plan(args.out, eta) if not finished(r)])
-        print(pilot_table(args.out, eta))
+    if args.rerun:
+        rec = read_data()["runs"][args.rerun]
+        run = os.path.join(args.out, "rerun", args.rerun)
+        run_all(1, [(args.rerun, tuple(rec["flags"].split()), run)], lambda *a: None)
+        again = md5(os.path.join(run, "answers.jsonl"))
+        same = "the same" if again == rec["answers_md5"] else "DIFFERENT"
+        print(f"{args.rerun}: answers.jsonl md5 {again}, the data file's {rec['answers_md5']}: {same}")
         return
     if not args.table_only and not args.figure:
-        grid = plan(args.out, [args.block] if args.block else BLOCKS)
-        todo = [(f, r) for f, r in grid if not finished(r)]
-        print(f"{len(grid) - len(todo)} of {len(grid)} runs finished already", file=sys.stderr)
-        launch(args.jobs, todo)
-    for block in BLOCKS:
-        print(block_table(args.out, block)[0] + "\n", flush=True)
+        run_grid(args.out, args.jobs, args.only)
+    data = read_data()
     if args.figure:
-        print("figure:", figure(args.out, os.path.join(ROOT, "docs", "frontier.png")))
+        print("figure:", figure(data, os.path.join(ROOT, "docs", "frontier.png")))
+    print(tables(data))
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ model runner pinned and read back. The whole of gpu_check on CPU: test_train.py.
     .venv/bin/python -m pytest -q tests/test_gpu_check.py
 """
 
+import argparse
 import os
 
 import pytest
 import torch
 
+from tools import gpu_check
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
@@ -35,6 +37,47 @@ def meta_model(**arch):
     config = AutoConfig.for_model("qwen3", **arch)
     with torch.device("meta"):
         return config, AutoModelForCausalLM.from_config(config)
+
+
+def test_sync_check_perturbs_on_the_models_device():
+    """Check 1's perturbation on a model on the meta device, as on a GPU: the noise drawn
+    on the CPU meets the tensor's spread on the tensor's device (the old code multiplied
+    CPU noise by a 0-dim device tensor: "Tensor on device meta is not on the expected
+    device cpu", as CUDA refuses it). On CPU every tensor with a spread moves, the
+    returned state dict is the unmoved one, and the same seed moves them alike."""
+    from helpers import small_model
+
+    _, model = meta_model(**dict(QWEN3_06B, num_hidden_layers=1))
+    old = gpu_check.perturb(model)
+    assert {v.device.type for v in model.state_dict().values()} == {"meta"} and old.keys() == model.state_dict().keys()
+    a, b = small_model(), small_model()
+    old = gpu_check.perturb(a)
+    gpu_check.perturb(b)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]) and torch.equal(old[k], small_model().state_dict()[k])
+        assert not torch.equal(v, old[k]) or old[k].float().std() == 0, k
+
+
+def test_check_devices_fails_on_what_would_fail_later(monkeypatch):
+    """Check 0 fails with devices.plan_devices' line for a GPU this machine does not show,
+    and (two GPUs faked) for a GPU of the layout that another process holds memory on;
+    it passes the same layout on free GPUs, and everything on CPU here."""
+    args = lambda **kw: argparse.Namespace(**dict(dict(gen_device=None, train_device=None, engines=1, ranks=1), **kw))
+    assert gpu_check.check_devices(args()) == (True, "generator cpu; trainer ranks cpu")
+    assert gpu_check.check_devices(args(gen_device="cuda:0")) == (
+        False,
+        "--gen-device: cuda:0, but this machine shows 0 GPU(s)",
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    busy = {"cuda:0": 80, "cuda:1": 8}  # GiB free of 80
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (busy[d] * 2**30, 80 * 2**30))
+    ok, detail = gpu_check.check_devices(args())
+    assert not ok and detail == (
+        "generator cuda:0; trainer ranks cuda:1; another process holds memory: cuda:1 has 8.0 of 80.0 GiB free"
+    )
+    busy["cuda:1"] = 79
+    assert gpu_check.check_devices(args()) == (True, "generator cuda:0; trainer ranks cuda:1")
 
 
 def test_memory_plan_counts_what_a_push_holds():

@@ -44,33 +44,33 @@ def device_list(flag, n, what):
     return devs
 
 
-def plan_devices(gen_flag, train_flag, engines, ranks, n_gpu, engines_here=True):
-    """Where every process on this machine runs: the --engines generator engines (on the
-    machine of trainer rank 0: engines_here) and the `ranks` trainer ranks torchrun
-    starts on it. auto, with GPUs: the engines on the first ones, the ranks on the
-    next, each its own; with none: everything on CPU. A GPU is shared only where both
-    flags name it (the generator and the trainer on one card: vLLM takes 0.3 of its
-    memory). Anything else that would put two processes on one GPU, or use a GPU this
-    machine does not show, is a UsageError saying which flag to change.
+def plan_devices(gen_flag, train_flag, engines, ranks, n_gpu):
+    """Where every process on this machine runs: the --engines generator engines and the
+    `ranks` trainer ranks torchrun starts on it (one machine: resolve_devices). auto, with
+    GPUs: the engines on the first ones, the ranks on the next, each its own; with none:
+    everything on CPU. A GPU is shared only where both flags name it (the generator and
+    the trainer on one card: vLLM takes 0.3 of its memory). Anything else that would put
+    two processes on one GPU, or use a GPU this machine does not show, is a UsageError
+    saying which flag to change.
     Returns (engine devices, rank devices, the GPUs shared by choice)."""
-    n = engines if engines_here else 0
     gens, trains = device_list(gen_flag, engines, "gen"), device_list(train_flag, ranks, "train")
     if gens is None:
-        if n_gpu and n > n_gpu:
+        if n_gpu and engines > n_gpu:
             raise UsageError(
-                f"--engines {n} needs {n} GPUs, one per engine, and this machine shows {n_gpu}: lower --engines"
+                f"--engines {engines} needs {engines} GPUs, one per engine, and this machine shows {n_gpu}: "
+                "lower --engines"
             )
-        gens = [f"cuda:{i}" for i in range(n)] if n_gpu else ["cpu"] * engines
+        gens = [f"cuda:{i}" for i in range(engines)] if n_gpu else ["cpu"] * engines
     if trains is None:
-        free = [f"cuda:{i}" for i in range(n_gpu) if f"cuda:{i}" not in gens[:n]]
+        free = [f"cuda:{i}" for i in range(n_gpu) if f"cuda:{i}" not in gens]
         if n_gpu and len(free) < ranks:
             raise UsageError(
-                f"{n} generator engine(s) and {ranks} trainer rank(s) need {n + ranks} GPUs, this "
+                f"{engines} generator engine(s) and {ranks} trainer rank(s) need {engines + ranks} GPUs, this "
                 f"machine shows {n_gpu}: lower --engines or torchrun's --nproc_per_node, or share a "
                 "GPU by naming it in both --gen-device and --train-device"
             )
         trains = free[:ranks] if n_gpu else ["cpu"] * ranks
-    for flag, devs in (("gen", gens[:n]), ("train", trains)):
+    for flag, devs in (("gen", gens), ("train", trains)):
         for d in devs:
             if d.startswith("cuda") and int(d[5:]) >= n_gpu:
                 seen = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -82,7 +82,7 @@ def plan_devices(gen_flag, train_flag, engines, ranks, n_gpu, engines_here=True)
         if len(set(gpus)) < len(gpus):
             who = "generator engines" if flag == "gen" else "trainer ranks"
             raise UsageError(f"--{flag}-device {','.join(devs)}: two {who} on one GPU; each needs its own")
-    shared = sorted({d for d in gens[:n] if d.startswith("cuda")} & set(trains))
+    shared = sorted({d for d in gens if d.startswith("cuda")} & set(trains))
     auto = [d for d in shared if gen_flag == "auto" or train_flag == "auto"]
     if auto:
         raise UsageError(
@@ -103,15 +103,17 @@ def resolve_devices(cfg, world=1, local_rank=0):
     import torch
 
     n, local = cfg["engines"], int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    first = int(os.environ.get("RANK", 0)) - local_rank == 0  # this machine has trainer rank 0, hence the engines
-    gens, trains, shared = plan_devices(
-        cfg["gen_device"], cfg["train_device"], n, local, torch.cuda.device_count(), engines_here=first
-    )
+    rank = int(os.environ.get("RANK", 0))
+    if rank != local_rank:  # a node without trainer rank 0, whose engines' devices it cannot know
+        raise UsageError(
+            f"trainer rank {rank} is local rank {local_rank}: its node does not hold rank 0, and runs across "
+            "nodes are on paper only (docs/gpu.md, 'More GPUs'); run every rank on one node"
+        )
+    gens, trains, shared = plan_devices(cfg["gen_device"], cfg["train_device"], n, local, torch.cuda.device_count())
     train = cfg["trainer_device"] = trains[local_rank]
     cfg["gen_devices"] = gens
     # the weight group is trainer rank 0 + the engines: NCCL needs each on its own GPU, else gloo through CPU memory
-    rank0 = trains[0] if first else "cpu"
-    nccl = all(d.startswith("cuda") for d in gens + [rank0]) and not shared
+    nccl = all(d.startswith("cuda") for d in gens + trains[:1]) and not shared
     cfg["sync_backend"] = "nccl" if nccl else "gloo"
     cfg["gen_memory_utilization"] = cfg["gpu_memory_utilization"] or (0.3 if shared else 0.85)
     if local_rank == 0:

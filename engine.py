@@ -150,11 +150,16 @@ def vllm_env(on_cpu=True):
     """The environment every vLLM engine of this project starts with, set before vLLM is
     imported: lesson.py and eval.py put it in their own environment, devices.resolve_devices
     in each generator process's. The engine core in the engine's own process (make_engine:
-    one step() is one forward pass); vLLM quiet (it logs every weight load); on CPU, a KV
+    one step() is one forward pass); vLLM's V1 model runner, the CPU's, on every platform
+    (make_engine); vLLM quiet (it logs every weight load); on CPU, a KV
     cache of KV_CACHE_GIB GiB (without it vLLM asks for 92% of the node's memory and refuses
     to start when other processes hold some). A VLLM_LOGGING_LEVEL or VLLM_CPU_KVCACHE_SPACE
     already in this process's environment wins."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_USE_V2_MODEL_RUNNER": "0",  # the model runner the project was checked on (make_engine)
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+    }
     if on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
     return env
@@ -173,6 +178,16 @@ def make_engine(cfg, worker_extension=None):
       would land one step late and mislabel a token's version. The CPU platform forces
       it off (vllm/platforms/cpu.py); we set it on every platform and read it back.
     - no chunked prefill: a prompt's KV is written in one step, by one version.
+    And one that makes the GPU run the vLLM code the CPU tests run:
+    - VLLM_USE_V2_MODEL_RUNNER=0 (vllm_env): vLLM 0.32 picks its Model Runner V2
+      (v1/worker/gpu/model_runner.py) wherever triton works (vllm/config/vllm.py,
+      use_v2_model_runner), which is every CUDA machine, and the V1 runner
+      (v1/worker/gpu_model_runner.py) where it does not, which is the CPU: vLLM's
+      CPUModelRunner derives from the V1 GPUModelRunner. Everything this project checked
+      on a real engine (the in-place reload between two step() calls, a step that has
+      finished when step() returns, logprobs and preemption counts) ran on V1; V2 has its
+      own input and state handling that nothing here has run. So V1 on every platform, read
+      back from the engine's config, as async scheduling is.
     worker_extension: a class path vLLM mixes into its worker (generator_process.WeightReceiver
     receives pushed weights there); None for an engine that loads them in this process."""
     from vllm import EngineArgs, LLMEngine
@@ -214,9 +229,21 @@ def make_engine(cfg, worker_extension=None):
 
         torch.compiler.set_stance("force_eager")
     engine = LLMEngine.from_engine_args(args)
-    if engine.vllm_config.scheduler_config.async_scheduling is not False:
-        raise RuntimeError("vLLM kept async scheduling on: weight versions would be off by one step")
+    check_engine_config(engine.vllm_config)
     return engine
+
+
+def check_engine_config(vllm_config):
+    """make_engine's settings, read back from the config the engine runs with: raises if vLLM
+    kept async scheduling on or picked its Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER not "0"
+    in the environment vLLM read: vllm_env was not applied before it started)."""
+    if vllm_config.scheduler_config.async_scheduling is not False:
+        raise RuntimeError("vLLM kept async scheduling on: weight versions would be off by one step")
+    if vllm_config.use_v2_model_runner:
+        raise RuntimeError(
+            "vLLM picked its Model Runner V2, which this project has not run: start the engine "
+            "with engine.vllm_env's VLLM_USE_V2_MODEL_RUNNER=0"
+        )
 
 
 def load_in_place(engine, version, state_dict):

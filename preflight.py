@@ -72,12 +72,13 @@ def check_budget(path, dataset, problems, max_new_tokens, max_model_len, name=No
 
 
 def memory_plan(cfg, config, logit_chunk_bytes, world=1):
-    """The trainer's memory per rank, estimated from the model's config before the model
-    loads (bytes by item). AdamW with float32 master weights: 4 (weights) + 4 (grads) + 8
-    (two moments) bytes per parameter, divided among the `world` ranks under FSDP2,
-    which gathers a layer's float32 weights at a time (two: the next is prefetched);
-    the push holds the tensors it sent (bf16 on a GPU) until they have gone out, at most
-    PUSH_SEND_BYTES. Activations, per
+    """The trainer's memory per rank (rank 0's, the most), estimated from the model's config
+    before the model loads (bytes by item). AdamW with float32 master weights: 4 (weights) +
+    4 (grads) + 8 (two moments) bytes per parameter, divided among the `world` ranks under
+    FSDP2, which gathers a layer's float32 weights at a time (two: the next is prefetched).
+    The push (push_plan): what rank 0 holds of the tensors it sent, from the push until the
+    next optimizer step (so beside that step's activations), and under FSDP2 the float32
+    tensor it gathers to send. Activations, per
     token of the largest micro-batch, with or without activation checkpointing, and SDPA
     attention: each layer keeps its float32 input; the layer being recomputed holds
     its bf16 intermediates and their gradients. Logits: a float32 chunk
@@ -88,7 +89,7 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())  # tied tensors once: what the optimizer holds
     layer_params = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
     H, L, I = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     head_dim = head_size(config)
@@ -102,15 +103,40 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     plan = {"weights + grads (fp32)": 8 * n_params // world, "AdamW moments (fp32)": 8 * n_params // world}
     if world > 1:
         plan["FSDP2 gathered layers (fp32)"] = 2 * 4 * layer_params
-    # the push (generator_process.send_weights): the tensors sent, in the generator's dtype, held until they have
-    # gone out (at most PUSH_SEND_BYTES); on CPU with one rank they are the parameters themselves
-    pushed = min(PUSH_SEND_BYTES, 2 * n_params if on_gpu else 4 * n_params if world > 1 else 0)
     return {
         **plan,
-        "the push's copy": pushed,
+        **push_plan(model.state_dict(), on_gpu, world, cfg.get("sync_backend", "nccl")),
         f"activations ({cfg['micro_batch_tokens']} tokens)": per_token * cfg["micro_batch_tokens"],
         "logit chunks": 5 * min(logit_chunk_bytes, 4 * config.vocab_size * cfg["micro_batch_tokens"]),
     }
+
+
+def push_plan(state_dict, on_gpu, world=1, backend="nccl"):
+    """What a push holds on trainer rank 0's device (bytes by item), read off the state dict it
+    sends (ranks.weights: every tensor, a tied one under each of its names: Qwen3-0.6B's
+    lm_head.weight is its embedding again, 0.31 GB of bf16 that parameters() counts once).
+    Each tensor goes out as a new tensor in the generator's dtype (bf16 on a GPU), or under
+    FSDP2 as the float32 tensor gathered from the shards (DTensor.full_tensor); one float32
+    rank on CPU sends its parameters themselves. generator_process.send_weights holds what it
+    posted until it has gone out, at most PUSH_SEND_BYTES (a tensor larger than that alone),
+    and GeneratorHandle.settle lets them go: the next step's optimizer step, so they are
+    held through that step's forward and backward. Over gloo from a GPU each tensor is moved
+    to host memory as it is posted: the device holds one at a time. Under FSDP2 rank 0 also
+    holds, while it makes the tensor it sends, the float32 tensor it gathered: one at a time,
+    the largest the embedding (0.62 GB for Qwen3-0.6B, 1.56 GB for Qwen3-4B)."""
+    sizes = [t.numel() for t in state_dict.values()]
+    item = 2 if on_gpu else 4  # the generator's dtype: bf16 on a GPU, float32 on CPU
+    copies = on_gpu or world > 1  # else the parameters themselves go out
+    if not copies:
+        held = 0
+    elif backend != "nccl" and on_gpu:
+        held = item * max(sizes)
+    else:
+        held = min(max(PUSH_SEND_BYTES, item * max(sizes)), item * sum(sizes))
+    plan = {"the push's copies (until the next optimizer step)": held}
+    if world > 1 and on_gpu:  # on CPU the float32 tensor gathered is the one sent: among the copies
+        plan["the push's FSDP2 gather (fp32, one tensor)"] = 4 * max(sizes)
+    return plan
 
 
 def head_size(config):
@@ -184,12 +210,18 @@ def check_memory_plan(cfg, logit_chunk_bytes, world=1):
                 f"{max(0, left) / 2**30:.1f} GiB are left: lower --gpu-memory-utilization "
                 f"(now {cfg['gen_memory_utilization']})"
             )
-    if cfg["trainer_device"].startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(cfg["trainer_device"])
-        if need > 0.9 * free:  # 10% for the CUDA context and the allocator's fragmentation
+    train = cfg["trainer_device"]
+    if train.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(train)
+        # a GPU shared with an engine (devices.py: named in both flags) is read before vLLM has started
+        # on it: vLLM's share of the card and a push's buffers beside it are not the trainer's
+        engine = cfg["gen_memory_utilization"] * total + push if train in cfg["gen_devices"] else 0
+        if need > 0.9 * free - engine:  # 10% for the CUDA context and the allocator's fragmentation
             sys.exit(
-                f"train.py: the trainer needs ~{need / 2**30:.1f} GiB and {cfg['trainer_device']} has "
-                f"{free / 2**30:.1f} GiB free: lower --micro-batch-tokens (now {cfg['micro_batch_tokens']})"
+                f"train.py: the trainer needs ~{need / 2**30:.1f} GiB and {train} has {free / 2**30:.1f} GiB free"
+                + (f", {engine / 2**30:.1f} of them the engine's that shares it" if engine else "")
+                + f": lower --micro-batch-tokens (now {cfg['micro_batch_tokens']})"
+                + (f" or --gpu-memory-utilization (now {cfg['gen_memory_utilization']})" if engine else "")
             )
 
 

@@ -163,3 +163,18 @@ def test_generator_gpu_is_the_users_physical_gpu(monkeypatch, tmp_path):
         )
         assert env["CUDA_VISIBLE_DEVICES"] == expect
         assert (cfg["gen_devices"], trainers, cfg["sync_backend"]) == (["cuda:0"], ["cuda:1"], "nccl")
+
+
+def test_a_node_without_rank_0_is_refused_in_one_line(monkeypatch, tmp_path):
+    """torchrun across nodes: a rank whose node does not hold trainer rank 0 (RANK 2 as
+    local rank 0) stops with one line; it got no engines and raised an IndexError
+    (gens[0] of an empty list) with GPUs, and planned CPU engines it would never start
+    without them."""
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for n_gpu in (2, 0):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n_gpu)
+        cfg = train.parse_config(["--dataset", "gsm8k", "--out", str(tmp_path)])
+        with pytest.raises(UsageError, match="its node does not hold rank 0") as e:
+            devices.prepare(cfg, 4, 0)
+        assert "\n" not in str(e.value)

@@ -266,11 +266,13 @@ def test_optimizer_state_saved_on_a_gpu_resumes_on_cpu(tmp_path, monkeypatch):
 
 def test_gpu_check_on_cpu(tmp_path):
     """tools/gpu_check.py, the GPU user's first command, run here with the tiny model and
-    its multi-GPU checks: the device layout, the sync check to 2 engines, and a regime under
-    torchrun with 2 trainer ranks and 2 engines, pass; that regime's run directory is then
-    checked as test_smoke.py checks a run (tests/helpers.py's check_run): train.py end to
-    end with 2 ranks and 2 engines (the other regimes and a resume under torchrun:
-    test_smoke.py, tests/test_ranks.py)."""
+    its multi-GPU checks, every check it has: the device layout, the sync check to 2
+    engines, a regime under torchrun with 2 trainer ranks and 2 engines, and the push
+    against a raw broadcast (bench_sync.py, 3 rounds), pass; that regime's run directory
+    is then checked as test_smoke.py checks a run (tests/helpers.py's check_run): train.py
+    end to end with 2 ranks and 2 engines (the other regimes and a resume under torchrun:
+    test_smoke.py, tests/test_ranks.py). Its checks' tensor code on faked devices:
+    tests/test_gpu_check.py."""
     from helpers import check_run
 
     r = subprocess.run(
@@ -289,7 +291,8 @@ def test_gpu_check_on_cpu(tmp_path):
             "2",
             "--ranks",
             "2",
-            "--skip-bench",
+            "--bench-rounds",
+            "3",
         ],
         capture_output=True,
         text=True,
@@ -297,8 +300,9 @@ def test_gpu_check_on_cpu(tmp_path):
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("[PASS]") == 3 and "3/3 checks passed" in r.stdout
+    assert r.stdout.count("[PASS]") == 4 and "4/4 checks passed" in r.stdout
     assert "[PASS] devices: generator cpu, cpu; trainer ranks cpu, cpu" in r.stdout
+    assert "[PASS] push vs raw broadcast: the trainer blocked" in r.stdout
     run = tmp_path / "out" / "gpu_check" / "stale"
     check_run(str(run), "stale", steps=3)
     assert os.path.isdir(run / "ckpt" / "optimizer")  # the ranks' optimizer shards

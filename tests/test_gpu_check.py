@@ -1,0 +1,173 @@
+"""
+What the first GPU run reads, checked where a CPU reaches it: gpu_check's tensor code on
+the meta device (which refuses a device mix as CUDA does), its device check failing, the
+trainer's memory plan against the state dict a push sends (Qwen3 shapes built on the meta
+device: no download, no memory), the plan on a GPU shared with an engine, and the vLLM
+model runner pinned and read back. The whole of gpu_check on CPU: test_train.py.
+
+    .venv/bin/python -m pytest -q tests/test_gpu_check.py
+"""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from tools import gpu_check
+
+pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
+
+QWEN3_06B = dict(  # Qwen/Qwen3-0.6B's config.json, as far as the plan reads it (written here, not imported)
+    vocab_size=151936,
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    tie_word_embeddings=True,
+)
+QWEN3_4B = dict(QWEN3_06B, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, intermediate_size=9728)
+
+
+def meta_model(**arch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3", **arch)
+    with torch.device("meta"):
+        return config, AutoModelForCausalLM.from_config(config)
+
+
+def test_sync_check_perturbs_on_the_models_device():
+    """Check 1's perturbation on a model on the meta device, as on a GPU: the noise drawn
+    on the CPU meets the tensor's spread on the tensor's device (the old code multiplied
+    CPU noise by a 0-dim device tensor: "Tensor on device meta is not on the expected
+    device cpu", as CUDA refuses it). On CPU every tensor with a spread moves, the
+    returned state dict is the unmoved one, and the same seed moves them alike."""
+    from helpers import small_model
+
+    _, model = meta_model(**dict(QWEN3_06B, num_hidden_layers=1))
+    old = gpu_check.perturb(model)
+    assert {v.device.type for v in model.state_dict().values()} == {"meta"} and old.keys() == model.state_dict().keys()
+    a, b = small_model(), small_model()
+    old = gpu_check.perturb(a)
+    gpu_check.perturb(b)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]) and torch.equal(old[k], small_model().state_dict()[k])
+        assert not torch.equal(v, old[k]) or old[k].float().std() == 0, k
+
+
+def test_check_devices_fails_on_what_would_fail_later(monkeypatch):
+    """Check 0 fails with devices.plan_devices' line for a GPU this machine does not show,
+    and (two GPUs faked) for a GPU of the layout that another process holds memory on;
+    it passes the same layout on free GPUs, and everything on CPU here."""
+    args = lambda **kw: argparse.Namespace(**dict(dict(gen_device=None, train_device=None, engines=1, ranks=1), **kw))
+    assert gpu_check.check_devices(args()) == (True, "generator cpu; trainer ranks cpu")
+    assert gpu_check.check_devices(args(gen_device="cuda:0")) == (
+        False,
+        "--gen-device: cuda:0, but this machine shows 0 GPU(s)",
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    busy = {"cuda:0": 80, "cuda:1": 8}  # GiB free of 80
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (busy[d] * 2**30, 80 * 2**30))
+    ok, detail = gpu_check.check_devices(args())
+    assert not ok and detail == (
+        "generator cuda:0; trainer ranks cuda:1; another process holds memory: cuda:1 has 8.0 of 80.0 GiB free"
+    )
+    busy["cuda:1"] = 79
+    assert gpu_check.check_devices(args()) == (True, "generator cuda:0; trainer ranks cuda:1")
+
+
+def test_memory_plan_counts_what_a_push_holds():
+    """The trainer's plan for a push, against the state dict a push sends, of Qwen3 built on
+    the meta device: every tensor, the tied lm_head.weight under its own name (Qwen3-0.6B:
+    751,632,384 elements, 1.50 GB of bf16, where 2 x its 596M parameters planned 1.19 GB),
+    held up to preflight.PUSH_SEND_BYTES (Qwen3-4B's 8.8 GB are not all held); under FSDP2
+    rank 0's float32 gather of the largest tensor, the embedding (0.62 GB and 1.56 GB);
+    nothing on one float32 CPU rank (the parameters go out themselves); over gloo from a GPU
+    one tensor at a time."""
+    from grpo import LOGIT_CHUNK_BYTES
+    from preflight import PUSH_SEND_BYTES, memory_plan
+
+    copies, gather = "the push's copies (until the next optimizer step)", "the push's FSDP2 gather (fp32, one tensor)"
+    gpu = dict(trainer_device="cuda:0", micro_batch_tokens=16384)
+    config, model = meta_model(**QWEN3_06B)
+    sizes = [t.numel() for t in model.state_dict().values()]
+    assert sum(sizes) == 751_632_384 == sum(p.numel() for p in model.parameters()) + 151936 * 1024
+    plan = memory_plan(gpu, config, LOGIT_CHUNK_BYTES)
+    assert plan[copies] == 2 * sum(sizes) and gather not in plan
+    plan = memory_plan(gpu, config, LOGIT_CHUNK_BYTES, world=2)
+    assert plan[copies] == 2 * sum(sizes) and plan[gather] == 4 * max(sizes) == 4 * 151936 * 1024
+    assert memory_plan(dict(gpu, sync_backend="gloo"), config, LOGIT_CHUNK_BYTES)[copies] == 2 * max(sizes)
+    cpu = dict(gpu, trainer_device="cpu")
+    assert memory_plan(cpu, config, LOGIT_CHUNK_BYTES)[copies] == 0
+    assert memory_plan(cpu, config, LOGIT_CHUNK_BYTES, world=2)[copies] == PUSH_SEND_BYTES  # 3.0 GB of fp32, capped
+
+    config, model = meta_model(**QWEN3_4B)
+    sizes = [t.numel() for t in model.state_dict().values()]
+    assert sum(sizes) == 4_411_424_256  # 8.8 GB of bf16
+    plan = memory_plan(gpu, config, LOGIT_CHUNK_BYTES, world=2)
+    assert plan[copies] == PUSH_SEND_BYTES and plan[gather] == 4 * 151936 * 2560
+
+
+def test_memory_plan_on_a_gpu_shared_with_an_engine(monkeypatch, capsys):
+    """check_memory_plan reads the trainer's GPU before vLLM has started on it: on a GPU
+    shared with an engine, vLLM's share of the card and a push's buffers beside it are
+    taken from what is free, and a trainer that fits the free memory alone but not beside
+    the engine stops, saying so (the old check compared with the free memory whole). Two
+    GPUs faked; the tiny model's plans."""
+    from preflight import check_memory_plan, engine_plan, memory_plan
+    from transformers import AutoConfig
+
+    cfg = dict(
+        model_path=os.path.join("weights", "tiny"),
+        trainer_device="cuda:0",
+        gen_devices=["cuda:0"],
+        gen_memory_utilization=0.3,
+        micro_batch_tokens=16384,
+        sync_backend="gloo",
+    )
+    config = AutoConfig.from_pretrained(cfg["model_path"])
+    need, push = sum(memory_plan(cfg, config, 2**20).values()), engine_plan(config)
+    total = (need / 0.9 + (need + push) / 0.6) / 2  # fits 0.9 of it alone, not beside 0.3 of it and a push
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (total, total))
+    with pytest.raises(SystemExit, match="of them the engine's that shares it: lower --micro-batch-tokens"):
+        check_memory_plan(cfg, 2**20)
+    check_memory_plan(dict(cfg, gen_devices=["cpu"]), 2**20)  # the same GPU, the engine elsewhere: fits
+    assert "trainer memory plan" in capsys.readouterr().out
+
+
+def test_vllm_model_runner_is_pinned_and_read_back():
+    """Every engine's environment asks vLLM for its V1 model runner (engine.vllm_env), and
+    make_engine's read-back (engine.check_engine_config) passes a real VllmConfig for the
+    tiny model made under it (EngineArgs.create_engine_config: no engine started) and
+    refuses the same config once it answers V2: vLLM's use_v2_model_runner reads the
+    environment when asked (a CPU config cannot be made with V2: it needs triton)."""
+    import vllm.envs
+    from vllm import EngineArgs
+    from engine import check_engine_config, vllm_env
+
+    assert (
+        vllm_env(on_cpu=True)["VLLM_USE_V2_MODEL_RUNNER"] == vllm_env(on_cpu=False)["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    )
+    cached, saved = vllm.envs._is_envs_cache_enabled(), os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    vllm.envs.disable_envs_cache()  # an engine started in this process froze vLLM's reading of the environment
+    try:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = vllm_env()["VLLM_USE_V2_MODEL_RUNNER"]
+        path = os.path.join("weights", "tiny")
+        config = EngineArgs(model=path, dtype="float32", async_scheduling=False).create_engine_config()
+        assert config.use_v2_model_runner is False
+        check_engine_config(config)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        assert config.use_v2_model_runner is True
+        with pytest.raises(RuntimeError, match="Model Runner V2"):
+            check_engine_config(config)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+        if cached:
+            vllm.envs.enable_envs_cache()

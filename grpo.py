@@ -426,7 +426,7 @@ def loss_m2po_authors(cfg, logp, old, mu, adv, answer):
 
     log_r = logp.detach() - mu
     harmful = m2po_harmful(log_r, adv)
-    cap = m2po_authors_cap(log_r[harmful] ** 2, cfg["m2po_tau"])
+    cap = m2po_authors_cap(log_r[harmful] ** 2, cfg["m2po_tau"])  # a float: one host sync per micro-batch
     clipped = harmful & (log_r**2 >= cap)
     edge = log_r.clamp(-math.sqrt(cap), math.sqrt(cap)).exp()  # exp(+-sqrt c) where clipped
     return -torch.where(clipped, edge, torch.exp(logp - mu)) * adv, clipped

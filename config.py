@@ -193,7 +193,10 @@ def add_flags(p, program):
         default="tis",
         choices=list(LOSSES),
         help="off-policy correction (grpo.LOSSES): none (mu ignored), tis, ppo (decoupled), icepop, geo, cispo, gspo, "
-        "m2po",
+        "m2po (M2PO's paper with AReaL's mask: the largest (log pi_old/mu)^2, of either sign, masked over the whole "
+        "step until the rest's mean is below --m2po-tau), m2po-authors (M2PO as its authors' code runs it: only the "
+        "harmful tokens, A > 0 with pi > mu or A < 0 with pi < mu, their (log pi/mu)^2 winsorised to --m2po-tau and "
+        "the ones at the cap c or above clipped at pi/mu = exp(+-sqrt c), per micro-batch)",
     )
     p.add_argument(
         "--minibatches",

@@ -353,13 +353,16 @@ def loss_cispo(cfg, logp, old, mu, adv, answer):
 
 
 def loss_m2po(cfg, logp, old, mu, adv, answer):
-    """M2PO (Zheng et al., "Prosperity before Collapse", arXiv 2510.01161): the importance weight
-    pi/mu unclipped, -(pi/mu) A, on every token but the outliers of the mismatch: the tokens whose
-    (log pi_old/mu)^2 is largest are masked until the mean of the rest over the step's trained
-    tokens, the second moment M2, is below --m2po-tau (0.04 as published). Decided before the step
-    over all its tokens, every micro-batch's and every rank's (loss_settings: cfg["m2po_cutoff"],
-    the largest value kept). As the paper writes it and AReaL implements the mask (its
-    gsm8k_m2po example trains the kept tokens with its decoupled PPO instead)."""
+    """M2PO (Zheng et al., "Prosperity before Collapse", arXiv 2510.01161) as its paper writes it,
+    with AReaL's mask: the importance weight pi/mu unclipped, -(pi/mu) A, on every token but the
+    outliers of the mismatch: the tokens whose (log pi_old/mu)^2 is largest, of either sign and
+    whatever their advantage, are masked (no loss, no gradient) until the mean of the rest over
+    the step's trained tokens, the second moment M2, is below --m2po-tau (0.04 as published).
+    Decided before the step over all its tokens, every micro-batch's and every rank's
+    (loss_settings: cfg["m2po_cutoff"], the largest value kept). The mask is AReaL's
+    _get_m2po_loss_mask; AReaL decides it per micro-batch (in its loss function), over every
+    token of the loss mask, and its gsm8k_m2po example trains the kept tokens with its decoupled
+    PPO instead of -(pi/mu) A. The authors' own code does something else: loss_m2po_authors."""
     import torch
 
     keep = m2po_moment(old, mu) <= cfg["m2po_cutoff"]
@@ -404,6 +407,54 @@ def loss_settings(cfg, batch, adv, gather=lambda x: [x]):
     return dict(cfg, m2po_cutoff=m2po_cutoff(torch.tensor(every, dtype=torch.float32), cfg["m2po_tau"]))
 
 
+def loss_m2po_authors(cfg, logp, old, mu, adv, answer):
+    """M2PO as its authors' code runs it (Infini-AI-Lab/M2PO, verl/trainer/ppo/core_algos.py:
+    kpo_clip_harmful_tokens, compute_m2po_policy_loss), not as the paper writes it (loss_m2po).
+    r = pi/mu. Only the harmful tokens count (m2po_harmful): A > 0 with r > 1, A < 0 with r < 1,
+    those that -r A would push further from mu. Their (log r)^2 are winsorised at a cap c, the
+    largest of their own values that brings their mean below --m2po-tau (m2po_authors_cap; 0.04 in
+    their scripts), and a harmful token at or above the cap is clipped as PPO clips, at r =
+    exp(+sqrt c) (A > 0) or exp(-sqrt c) (A < 0): its loss -exp(+-sqrt c) A, constant, no gradient.
+    Every other token: -r A, unclipped, whatever its r (no clip on the side that pulls toward mu).
+    Nothing is clipped while the harmful tokens' mean is at or below the budget. Decided on this
+    micro-batch's tokens alone, as verl computes the loss per micro-batch and per GPU: the clip
+    depends on --micro-batch-tokens and on the number of ranks (theirs on ppo_max_token_len_per_gpu).
+    Their r is pi over the trainer's own log-probabilities under the sampling weights, taken when
+    the batch was sampled; ours is over the engine's mu (numerics and stale KV included). pi_old is
+    not used: their scripts also take several optimizer steps per batch with r against that one mu."""
+    import torch
+
+    log_r = logp.detach() - mu
+    harmful = m2po_harmful(log_r, adv)
+    cap = m2po_authors_cap(log_r[harmful] ** 2, cfg["m2po_tau"])  # a float: one host sync per micro-batch
+    clipped = harmful & (log_r**2 >= cap)
+    edge = log_r.clamp(-math.sqrt(cap), math.sqrt(cap)).exp()  # exp(+-sqrt c) where clipped
+    return -torch.where(clipped, edge, torch.exp(logp - mu)) * adv, clipped
+
+
+def m2po_harmful(log_r, adv):
+    """The tokens the authors' M2PO may clip: advantage and log(pi/mu) of one sign, so that the
+    step would move pi further from mu (their _get_trust_region_tokens_delta_sq)."""
+    return ((adv > 0) & (log_r > 0)) | ((adv < 0) & (log_r < 0))
+
+
+def m2po_authors_cap(m2, budget):
+    """The authors' winsorisation, m2 (n,) the harmful tokens' (log pi/mu)^2: inf (no clip) if
+    their mean is at or below the budget; else the largest value c among them at which the mean of
+    min(m2, c) is below the budget, or 0 if none is (every harmful token then clipped at r = 1).
+    One of the breakpoints, not the exact root of mean(min(m2, c)) = budget: as their
+    _solve_tau_from_sorted_delta2 picks it (the tokens tied with c are clipped too: their tau is
+    sqrt(c - 1e-12))."""
+    import torch
+
+    s = torch.sort(m2.double().flatten()).values
+    if not len(s) or s.mean() <= budget:
+        return math.inf
+    capped_mean = (s.cumsum(0) + s * torch.arange(len(s) - 1, -1, -1)) / len(s)  # mean of min(m2, s[j]), rising
+    under = torch.nonzero(capped_mean < budget)
+    return s[int(under[-1])].item() if len(under) else 0.0
+
+
 def loss_gspo(cfg, logp, old, mu, adv, answer):
     """GSPO (Qwen, arXiv 2507.18071), its token form: one ratio per answer, s = exp(mean of
     log(pi/mu)) over its tokens, against the engine's mu (the paper's pi_old is the policy
@@ -419,16 +470,17 @@ def loss_gspo(cfg, logp, old, mu, adv, answer):
     return -torch.min(unclipped, clipped), clipped < unclipped
 
 
-LOSSES = dict(
-    none=loss_none,
-    tis=loss_tis,
-    ppo=loss_ppo,
-    icepop=loss_icepop,
-    geo=loss_geo,
-    cispo=loss_cispo,
-    gspo=loss_gspo,
-    m2po=loss_m2po,
-)
+LOSSES = {
+    "none": loss_none,
+    "tis": loss_tis,
+    "ppo": loss_ppo,
+    "icepop": loss_icepop,
+    "geo": loss_geo,
+    "cispo": loss_cispo,
+    "gspo": loss_gspo,
+    "m2po": loss_m2po,
+    "m2po-authors": loss_m2po_authors,
+}
 
 
 def answer_mean(x, answer):

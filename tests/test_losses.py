@@ -65,6 +65,10 @@ BY_HAND = {
     # (log K)^2 = (ln 2)^2, (ln 0.6)^2, (ln 0.357)^2 = 0.4805, 0.2609, 1.0601: mean 0.6005 >= 0.5, so the largest,
     # token 2's, goes; the rest's mean (0.4805 + 0.2609) / 2 = 0.3707 < 0.5: kept. Loss -R A, unclipped; gradient -R A
     "m2po": ([-3.0, -0.6, 0.0], [-3.0, -0.6, 0.0], [False, False, True]),
+    # harmful: token 0 (A > 0, R = 3 > 1) and token 2 (A < 0, R = 0.25 < 1), (log R)^2 = 1.2069, 1.9218; token 1
+    # (A > 0, R < 1) is not. Capped at the smaller, 1.2069, their mean is still >= 0.5: cap 0, both clipped at
+    # r = exp(0) = 1: loss -A, no gradient. Token 1: -R A, unclipped
+    "m2po-authors": ([-1.0, -0.6, 1.0], [0.0, -0.6, 0.0], [True, False, True]),
 }
 
 
@@ -128,6 +132,100 @@ def test_m2po_moment_is_over_the_steps_trained_tokens():
     gather = lambda mine: [torch.cat(x) for x in shares]  # what Ranks.gather returns: each rank's
     assert all(grpo.loss_settings(cfg, b, ad, gather)["m2po_cutoff"] == whole for b, ad in halves)
     assert grpo.loss_settings(dict(cfg, loss="tis"), answers, adv) == dict(cfg, loss="tis")  # others: cfg itself
+
+
+# M2PO as its authors' code runs it (grpo.loss_m2po_authors), on six tokens of budget 0.05:
+#
+#     token            0      1      2      3      4      5
+#     A               +1     +1     +1     -1     -1     -1
+#     log(pi/mu)      0.1    0.3   -0.5   -0.2    0.4   -0.6
+#     (log)^2         0.01   0.09   0.25   0.04   0.16   0.36
+#     harmful         yes    yes    no     yes    no     yes     (A and log(pi/mu) of one sign)
+#
+# The harmful (log)^2, sorted: 0.01, 0.04, 0.09, 0.36; mean 0.125 > 0.05. Capped at each in turn, their mean:
+# 0.01 | (0.01 + 3 x 0.04) / 4 = 0.0325 | (0.05 + 2 x 0.09) / 4 = 0.0575. The largest under 0.05 is 0.04: the
+# cap c = 0.04, sqrt c = 0.2 (not the exact root 0.075 of (0.05 + 2c) / 4 = 0.05). Harmful and at or above
+# the cap: tokens 1, 3 (the cap itself), 5, clipped at r = exp(+0.2) (A > 0) or exp(-0.2) (A < 0). Token 0
+# is under the cap; tokens 2 and 4 pull toward mu and are never clipped, however far r is from 1.
+SIX_ADV = [1.0, 1.0, 1.0, -1.0, -1.0, -1.0]
+SIX_LOG_R = [0.1, 0.3, -0.5, -0.2, 0.4, -0.6]
+E = math.exp
+SIX_BY_HAND = (
+    [-E(0.1), -E(0.2), -E(-0.5), E(-0.2), E(0.4), E(-0.2)],  # loss: -r A, or -exp(+-0.2) A where clipped
+    [-E(0.1), 0.0, -E(-0.5), 0.0, E(0.4), 0.0],  # d loss / d log pi: -r A, 0 where clipped
+    [False, True, False, True, False, True],
+)
+
+
+def m2po_authors_on(tokens, budget=0.05):
+    """loss_m2po_authors on some of the six tokens (one micro-batch): loss, gradient, clipped."""
+    logp = torch.tensor([-1.0 - 0.1 * i for i in tokens], dtype=torch.float64, requires_grad=True)
+    mu = logp.detach() - torch.tensor([SIX_LOG_R[i] for i in tokens], dtype=torch.float64)
+    adv = torch.tensor([SIX_ADV[i] for i in tokens], dtype=torch.float64)
+    old = logp.detach() + 0.3  # pi_old apart from pi and mu: the authors' loss does not read it
+    per_token, clipped = grpo.loss_m2po_authors(dict(CFG, m2po_tau=budget), logp, old, mu, adv, None)
+    per_token.sum().backward()
+    return per_token.tolist(), logp.grad.tolist(), clipped.tolist()
+
+
+def check_m2po_authors_by_hand():
+    """The six tokens' loss, gradient and clipped, against the numbers worked above."""
+    loss, grad, clipped = m2po_authors_on(range(6))
+    assert clipped == SIX_BY_HAND[2]
+    assert loss == pytest.approx(SIX_BY_HAND[0], abs=1e-9)
+    assert grad == pytest.approx(SIX_BY_HAND[1], abs=1e-9)
+
+
+@pytest.mark.fast
+def test_m2po_authors_clips_only_harmful_tokens_at_the_winsorised_cap():
+    check_m2po_authors_by_hand()
+    m2 = torch.tensor([0.01, 0.09, 0.04, 0.36], dtype=torch.float64)  # the harmful tokens' (log)^2
+    assert grpo.m2po_authors_cap(m2, 0.05) == 0.04
+    assert grpo.m2po_authors_cap(m2, 0.125) == math.inf  # their mean is at the budget: nothing clipped
+    assert grpo.m2po_authors_cap(m2, 0.03) == 0.01  # capped at 0.01: 0.01 < 0.03; at 0.04: 0.0325, not
+    assert grpo.m2po_authors_cap(m2, 0.005) == 0.0  # even capped at the smallest, 0.01 >= 0.005: all clipped
+    assert grpo.m2po_authors_cap(m2[:0], 0.05) == math.inf  # no harmful token: nothing to clip
+
+
+@pytest.mark.fast
+def test_m2po_authors_is_decided_per_micro_batch():
+    """The same six tokens in two micro-batches, each deciding its own cap. Tokens 0, 3, 4: harmful
+    (log)^2 0.01, 0.04, mean 0.025 <= 0.05, nothing clipped (token 3 now trains: -r A, gradient r).
+    Tokens 1, 2, 5: harmful 0.09, 0.36; capped at 0.09 the mean is 0.09 >= 0.05: cap 0, tokens 1 and
+    5 clipped at r = 1, loss -A, where the whole batch clipped them at exp(+-0.2)."""
+    loss, grad, clipped = m2po_authors_on([0, 3, 4])
+    assert clipped == [False, False, False]
+    assert loss == pytest.approx([-E(0.1), E(-0.2), E(0.4)]) and grad == pytest.approx(loss)
+    loss, grad, clipped = m2po_authors_on([1, 2, 5])
+    assert clipped == [True, False, True]
+    assert loss == pytest.approx([-1.0, -E(-0.5), 1.0]) and grad == pytest.approx([0.0, -E(-0.5), 0.0])
+
+
+def exact_root(m2, budget):
+    """A wrong cap: c solving mean(min(m2, c)) = budget exactly, between two breakpoints."""
+    s = torch.sort(m2).values
+    return next(c for j in range(len(s)) for c in [(budget * len(s) - s[:j].sum().item()) / (len(s) - j)] if c <= s[j])
+
+
+WRONG_M2PO_AUTHORS = {
+    # every token counted and cut, of either sign (as loss_m2po's mask): tokens 2 and 4 clipped too
+    "both signs": ("m2po_harmful", lambda log_r, adv: adv != 0),
+    # the clip set from the budget itself, not from the winsorised (log)^2: token 3 (0.04 < 0.05) kept
+    "clip at the budget": ("m2po_authors_cap", lambda m2, budget: budget if m2.mean() > budget else math.inf),
+    # the exact root of mean(min(m2, c)) = budget, 0.075, not a breakpoint: token 3 kept
+    "exact root": ("m2po_authors_cap", exact_root),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("wrong", sorted(WRONG_M2PO_AUTHORS))
+def test_m2po_authors_by_hand_catches(wrong, monkeypatch):
+    """The six tokens' hand-worked loss, gradient and clipped catch a plausible wrong version of
+    the authors' M2PO, put in the place of the part it gets wrong."""
+    name, fn = WRONG_M2PO_AUTHORS[wrong]
+    monkeypatch.setattr(grpo, name, fn)
+    with pytest.raises(AssertionError):
+        check_m2po_authors_by_hand()
 
 
 @pytest.mark.fast

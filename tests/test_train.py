@@ -90,7 +90,8 @@ ADVANTAGES = {
 @pytest.mark.parametrize("advantages", sorted(ADVANTAGES))
 @pytest.mark.parametrize(
     "loss, agg, drift",
-    [(name, "token", False) for name in grpo.LOSSES]
+    [(name, "token", False) for name in grpo.LOSSES if name != "m2po-authors"]  # its clip is per micro-batch, by
+    # design (its authors' code decides it so): no whole-batch equal; tests/test_losses.py works it by hand
     + [(name, "token", True) for name in ("none", "ppo", "geo", "gspo", "m2po")]
     + [("tis", "answer", False), ("tis", "constant", False), ("ppo", "answer", True)],
 )

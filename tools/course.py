@@ -213,12 +213,10 @@ def record(run, flags, rows):
         rows=rows,
         flags=list(flags),
         seed=json.load(open(os.path.join(run, "config.json")))["seed"],
+        code=marked.commit(),
         answers_md5=hashlib.md5(open(os.path.join(run, "answers.jsonl"), "rb").read()).hexdigest(),
     )
-    line = json.loads(json.dumps(line))  # as it reads back: tuples become lists
-    same = [s for s in marked.read("course") if s["rows"] == rows]
-    if not same or {k: v for k, v in same[-1].items() if k != "source"} != line:
-        marked.append("course", line)
+    marked.record("course", line, key=("rows",))
 
 
 if __name__ == "__main__":

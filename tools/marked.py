@@ -22,6 +22,7 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PAGES = ("README.md", "docs/course.md", "RESULTS.md")
-TOOLS = ("course",)  # tools/<name>.py, each with TABLES; its data is results/<name>.jsonl
+TOOLS = ("course", "stress")  # tools/<name>.py, each with TABLES; its data is results/<name>.jsonl
 # a block: its opening line, its text (lines, possibly none), its closing line
 BLOCK = re.compile(r"^<!-- table: ([\w.-]+) -->\n(.*?)^<!-- end -->$", re.M | re.S)
 
@@ -77,6 +78,26 @@ def registry():
                 raise ValueError(f"table '{name}' registered by {out[name][0]} and {tool}")
             out[name] = (tool, build)
     return out
+
+
+def record(tool, line, key):
+    """Append `line` to results/<tool>.jsonl unless the last line with the same values of the fields
+    `key` says the same already (every field but "source"): a second pass over the same runs adds nothing."""
+    line = json.loads(json.dumps(line))  # as it reads back: tuples become lists
+    same = [s for s in read(tool) if all(s.get(k) == line.get(k) for k in key)]
+    if not same or {k: v for k, v in same[-1].items() if k != "source"} != line:
+        append(tool, line)
+
+
+def commit():
+    """The checkout's commit (with "+" when files differ from it), for a line to say what code made its runs."""
+    try:
+        run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout  # noqa: E731
+        return run("rev-parse", "--short", "HEAD").strip() + (
+            "+" if run("status", "--porcelain", "-uno").strip() else ""
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def builders():

@@ -114,7 +114,10 @@ def equal_time(runs):
     if all(s.get("curve") for s in runs):
         t = min(s["curve"][-1][0] for s in runs)
         return f"{t:.0f}", [at_time(s["curve"], t) for s in runs]
-    (t,) = set.intersection(*(set(s["at_s"]) for s in runs))  # a table mixing the two: rerun all its rows
+    times = set.intersection(*(set(s.get("at_s") or ()) for s in runs))
+    if len(times) != 1:
+        raise ValueError("a table mixes fresh runs with lines copied from RESULTS.md: run all its rows again")
+    (t,) = times
     return t, [s["at_s"][t] for s in runs]
 
 

@@ -42,12 +42,11 @@ def blocks(text):
 
 def replace(text, name, body):
     """The page's text with every block called `name` holding `body` (KeyError if there is none)."""
-    new, n = BLOCK.subn(
+    if name not in [b for b, _ in blocks(text)]:
+        raise KeyError(f"no block '{name}' in this page")
+    return BLOCK.sub(
         lambda m: m.group(0) if m.group(1) != name else f"<!-- table: {name} -->\n{body}\n<!-- end -->", text
     )
-    if not any(b == name for b, _ in blocks(text)):
-        raise KeyError(f"no block '{name}' in this page")
-    return new
 
 
 def data_path(tool):

@@ -240,7 +240,10 @@ def keep(*tables):
 
 def table(title, lines, reference):
     """The table of summarise's lines: differences against the row labelled `reference`."""
-    (t,) = set.intersection(*(set(line["at_s"]) for line in lines))
+    times = set.intersection(*(set(line["at_s"]) for line in lines))  # one, unless lines of two batches mix
+    if len(times) != 1:
+        raise ValueError(f"{title or reference}: its rows have no equal time in common: run all of them again")
+    (t,) = times
     ref = f"{lines[0]['setting']}: {reference}" if lines[0]["stage"] == "pilot" else reference
     head = (
         f"| | seeds | final pass@1 (equal steps) | vs {ref} | pass@1 at {t} s | vs {ref} "

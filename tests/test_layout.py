@@ -166,24 +166,6 @@ def test_readme_is_a_first_page_and_cites_nothing_outside():
     assert len(files) > 30 and not bad, bad
 
 
-def test_the_readme_results_are_the_course_tables():
-    """Every number in the README's results table ("What we found") is on the same regime's
-    row of docs/course.md's regimes table, which names the command that measured it: the
-    README restates the course's measurement and has no number of its own there."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    course = open(os.path.join(ROOT, "docs", "course.md")).read()
-    found = readme[readme.index("## What we found") :]
-    found = found[: found.index("\n## ", 1)]
-    rows = re.findall(r"^\| `(\w+)` \| (.+) \|$", found, flags=re.M)
-    number = r"-?\d+(?:\.\d+)?"
-    missing = []
-    for regime, cells in rows:
-        mine = re.search(rf"^\| {regime} \| (.+) \|$", course, flags=re.M)
-        theirs = {float(x) for x in re.findall(number, mine.group(1))} if mine else set()
-        missing += [f"{regime}: {x}" for x in re.findall(number, cells) if float(x) not in theirs]
-    assert len(rows) == 5 and not missing, (len(rows), missing)
-
-
 def longest_chain(g):
     """The longest import chain of graph g, as a list of modules, the importer first.
     A module stands one floor above everything it imports; the floors are its length."""

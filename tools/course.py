@@ -9,10 +9,16 @@ point: a second run of this command prints the same tables.
 
 Runs go to out/course/<experiment>/<label>/; a finished run is not run again, and a run
 that two experiments share (the same lesson.py settings) runs once, in the first one's
-directory.
+directory. Each run's summary (every number its rows print, its pass@1 curve, the md5 of its
+answers.jsonl) goes onto results/course.jsonl, committed; the tables are built from those lines
+alone and written into docs/course.md, RESULTS.md and the README between their markers
+(tools/marked.py). The first 16 lines there were copied from RESULTS.md's tables (each says
+"source"): they have no curve, only pass@1 at the equal times those tables printed.
 """
 
 import argparse
+import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -20,7 +26,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import marked  # noqa: E402
 from runlog import per_token, read_jsonl  # noqa: E402
 
 LONG = ("--preset", "long")
@@ -100,25 +108,65 @@ def at_time(curve, t):
     return [acc for wall, acc in curve if wall <= t + 1e-9][-1]
 
 
-def table(name, rows):
+def equal_time(runs):
+    """The table's equal time and each run's pass@1 then: from the curves, T the earliest end among
+    the runs; for lines backfilled from RESULTS.md (no curve), the one time all of them state."""
+    if all(s.get("curve") for s in runs):
+        t = min(s["curve"][-1][0] for s in runs)
+        return f"{t:.0f}", [at_time(s["curve"], t) for s in runs]
+    times = set.intersection(*(set(s.get("at_s") or ()) for s in runs))
+    if len(times) != 1:
+        raise ValueError("a table mixes fresh runs with lines copied from RESULTS.md: run all its rows again")
+    (t,) = times
+    return t, [s["at_s"][t] for s in runs]
+
+
+def rows_of(name):
+    """[(label, the last committed line for that row)] of one experiment, in its order."""
+    lines = marked.read("course")
+    found = [(label, [s for s in lines if [name, label] in s["rows"]]) for label, _ in EXPERIMENTS[name][1]]
+    return [(label, runs[-1]) for label, runs in found if runs]
+
+
+def table(name):
     """One row per run: pass@1 at equal steps (the end) and at equal simulated time (the
     earliest end among the rows, T: each run's last evaluation by then), then where the time went."""
     what, _ = EXPERIMENTS[name]
-    t = min(s["curve"][-1][0] for _, s in rows)
+    rows = rows_of(name)
+    t, equal = equal_time([s for _, s in rows])
     head = (
-        f"| | pass@1 start -> end | pass@1 at {t:.0f} s | s to 0.55 | steps/min | stale tokens | lag "
+        f"| | pass@1 start -> end | pass@1 at {t} s | s to 0.55 | steps/min | stale tokens | lag "
         "| answers spanning a push | generator idle or draining | trainer waiting | discarded / recomputed tokens |"
     )
     lines = [f"**{name}**: {what} (simulated seconds)", "", head, "|---" * 11 + "|"]
-    for label, s in rows:
+    for (label, s), at_t in zip(rows, equal):
         lines.append(
-            f"| {label} | {s['start']:.3f} -> {s['final']:.3f} | {at_time(s['curve'], t):.3f} | "
+            f"| {label} | {s['start']:.3f} -> {s['final']:.3f} | {at_t:.3f} | "
             + (f"{s['to_target']:.0f}" if s["to_target"] is not None else "-")
             + f" | {s['steps_per_min']:.1f} | {100 * s['stale']:.1f}% | {s['lag']:.2f} | "
             f"{100 * s['spanning']:.0f}% | {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% | "
             f"{100 * s['discarded']:.0f}% / {100 * s['recomputed']:.0f}% |"
         )
     return "\n".join(lines)
+
+
+def readme_regimes():
+    """The README's cut of the regimes table: what a first reader compares."""
+    rows = rows_of("regimes")
+    lines = [
+        f"| regime | pass@1 {rows[0][1]['start']:.3f} -> | steps/min | stale tokens | lag "
+        "| generator idle or draining | trainer waiting |",
+        "|---" * 7 + "|",
+    ]
+    for label, s in rows:
+        lines.append(
+            f"| `{label}` | {s['final']:.3f} | {s['steps_per_min']:.1f} | {100 * s['stale']:.0f}% | {s['lag']:.2f} "
+            f"| {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+TABLES = {f"course-{name}": functools.partial(table, name) for name in EXPERIMENTS} | {"regimes-short": readme_regimes}
 
 
 def main():
@@ -133,6 +181,7 @@ def main():
     import lesson
 
     first = {}  # lesson.py's settings -> the first run directory that has them
+    rows = {}  # that directory -> every (experiment, label) it is a row of
     for name, (_, runs) in EXPERIMENTS.items():
         for label, flags in runs:
             key = json.dumps(lesson.parse_config([*flags, "--out", "-"]), sort_keys=True)
@@ -140,8 +189,8 @@ def main():
                 key,
                 os.path.join(args.out, name, "".join(c for c in label.replace("--", "_") if c.isalnum() or c in "._-")),
             )
+            rows.setdefault(first[key], []).append([name, label])
     for name in args.experiments or EXPERIMENTS:
-        rows = []
         for label, flags in EXPERIMENTS[name][1]:
             run = first[json.dumps(lesson.parse_config([*flags, "--out", "-"]), sort_keys=True)]
             if not finished(run):
@@ -153,8 +202,24 @@ def main():
                     check=True,
                     stdout=subprocess.DEVNULL,
                 )
-            rows.append((label, summary(run)))
-        print(table(name, rows) + "\n", flush=True)
+            record(run, flags, rows[run])
+        print(table(name) + "\n", flush=True)
+    for page, name in marked.write(TABLES):
+        print(f"wrote {name} into {page}", file=sys.stderr)
+
+
+def record(run, flags, rows):
+    """The run's summary onto results/course.jsonl, unless its last line there says the same already
+    (a second --table-only adds nothing): the tables are built from those lines alone."""
+    line = dict(
+        summary(run),
+        rows=rows,
+        flags=list(flags),
+        seed=json.load(open(os.path.join(run, "config.json")))["seed"],
+        code=marked.commit(),
+        answers_md5=hashlib.md5(open(os.path.join(run, "answers.jsonl"), "rb").read()).hexdigest(),
+    )
+    marked.record("course", line, key=("rows",))
 
 
 if __name__ == "__main__":

@@ -26,12 +26,17 @@ this from the token mean, and its runs were made again), `m2po` was added by iss
 Tables: final pass@1 at equal steps (every run takes the preset's steps) and at equal simulated
 time (the earliest end among the runs compared: each run's last evaluation at or before it),
 each against the reference row as a paired difference (mean, 95% t interval over seeds;
-tools/sweep.py's t_interval). Runs go to out/stress/<stage>/<label>-s<seed>/, a finished run is
-not run again. Each run is pinned to one core, --jobs at once, so the numbers do not depend on
-how many run together; runtime.json in a run records its wall-clock seconds.
+tools/sweep.py's t_interval). Each row's numbers (over its seeds, with each seed's final pass@1 and
+answers.jsonl md5) go onto results/stress.jsonl, committed, and the course's table (TABLES) is built
+from those lines alone and written into docs/course.md between its markers (tools/marked.py); so are
+RESULTS.md's stress tables, whose lines were copied from RESULTS.md (each says "source" and its batch).
+Runs go to out/stress/<stage>/<label>-s<seed>/, a finished run is not run again. Each run is pinned
+to one core, --jobs at once, so the numbers do not depend on how many run together; runtime.json in
+a run records its wall-clock seconds.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -43,6 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import marked  # noqa: E402
 from course import finished  # noqa: E402
 from runlog import per_token, read_jsonl  # noqa: E402
 from sweep import t_interval  # noqa: E402
@@ -134,6 +140,8 @@ def read_run(run):
         reward=statistics.mean(m["reward_mean"] for m in steps[-10:]),
         finished=sum(a["finished"] for a in answers) / len(answers),
         runtime=json.load(open(runtime))["wall_s"] if os.path.exists(runtime) else None,
+        loss_agg=json.load(open(os.path.join(run, "config.json")))["loss_agg"],
+        answers_md5=hashlib.md5(open(os.path.join(run, "answers.jsonl"), "rb").read()).hexdigest(),
     )
 
 
@@ -142,84 +150,205 @@ def at_time(curve, t):
     return [acc for _, wall, acc in curve if wall <= t + 1e-9][-1]
 
 
-def paired_t(a, b):
-    """a - b over seeds (lists in seed order): 'mean [low, high]' in points, by the t interval."""
+def paired(a, b):
+    """a - b over seeds (lists in seed order), in points: [mean, low, high] by the t interval, [mean] without one."""
     d = [100 * (x - y) for x, y in zip(a, b)]
-    ci = t_interval(d)
-    return f"{statistics.mean(d):+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else f"{statistics.mean(d):+.1f}"
+    return [statistics.mean(d), *(t_interval(d) or ())]
+
+
+def paired_t(a, b):
+    """a - b over seeds: 'mean [low, high]' in points."""
+    return show_paired(paired(a, b))
+
+
+def show_paired(d):
+    return f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]" if len(d) == 3 else f"{d[0]:+.1f}"
+
+
+def spread(values):
+    """[mean, sample std] over seeds, [value] for one."""
+    return [statistics.mean(values), statistics.stdev(values)] if len(values) > 1 else [values[0]]
 
 
 def ms(values, fmt="{:.3f}"):
-    return (
-        f"{fmt.format(statistics.mean(values))} ± {fmt.format(statistics.stdev(values))}"
-        if len(values) > 1
-        else fmt.format(values[0])
-    )
+    return " ± ".join(fmt.format(v) for v in values)
 
 
-def table(title, rows, reference):
-    """rows: [(label, [read_run per seed])]; differences against the row labelled `reference`."""
-    ref = dict(rows)[reference]
-    t_equal = min(r["curve"][-1][1] for _, runs in rows for r in runs)
+KEY = ("batch", "stage", "setting", "label", "loss_agg")  # a row of results/stress.jsonl: the last line with these wins
+
+
+def summarise(stage, setting, rows, reference):
+    """rows: [(label, flags, [read_run per seed])] -> one line per row as results/stress.jsonl keeps it:
+    the numbers its cells print, over its seeds (mean and sample std; the paired difference against the
+    reference row, mean and 95% t interval in points, at equal steps and at the table's equal time),
+    each seed's final pass@1 and answers.jsonl md5. The equal time is the earliest end among the rows."""
+    t = min(r["curve"][-1][1] for _, _, runs in rows for r in runs)
+    ref = {label: runs for label, _, runs in rows}[reference]
+    lines = []
+    for label, flags, runs in rows:
+        n = min(len(runs), len(ref))
+        mean = lambda key: statistics.mean(r[key] for r in runs)  # noqa: E731
+        at = lambda rs: [at_time(r["curve"], t) for r in rs]  # noqa: E731
+        vs = {}
+        if label != reference:
+            finals = [r["final"] for r in runs[:n]], [r["final"] for r in ref[:n]]
+            vs[reference] = dict(final=paired(*finals), at=paired(at(runs[:n]), at(ref[:n])))
+        lines.append(
+            dict(
+                batch=None,  # a fresh run's; the lines copied from RESULTS.md name theirs
+                code=marked.commit(),
+                stage=stage,
+                setting=setting,
+                label=label,
+                flags=list(flags),
+                loss_agg=runs[0]["loss_agg"],
+                seeds=list(SEEDS[: len(runs)]),
+                finals=[r["final"] for r in runs],
+                answers_md5=[r["answers_md5"] for r in runs],
+                final=spread([r["final"] for r in runs]),
+                at_s={f"{t:.0f}": spread(at(runs))},
+                vs=vs,
+                steps_per_min=spread([r["steps_per_min"] for r in runs]),
+                stale=mean("stale"),
+                lag=mean("lag"),
+                ess=mean("ess"),
+                clipped=mean("clipped"),
+                kl=mean("kl"),
+                kl_last=mean("kl_last"),
+                reward=mean("reward"),
+                finished=mean("finished"),
+                runtime=mean("runtime") if all(r["runtime"] for r in runs) else None,
+            )
+        )
+    return lines
+
+
+def keep(*tables):
+    """Every row of the tables (summarise's lines) onto results/stress.jsonl once: a row in two tables
+    (against two references) is one line with both differences."""
+    merged = {}
+    for line in (line for lines in tables for line in lines):
+        key = tuple(line.get(k) for k in KEY)
+        if key in merged:
+            merged[key]["vs"].update(line["vs"])
+            merged[key]["at_s"].update(line["at_s"])
+        else:
+            merged[key] = json.loads(json.dumps(line))
+    for line in merged.values():
+        marked.record("stress", line, key=KEY)
+
+
+def table(title, lines, reference):
+    """The table of summarise's lines: differences against the row labelled `reference`."""
+    times = set.intersection(*(set(line["at_s"]) for line in lines))  # one, unless lines of two batches mix
+    if len(times) != 1:
+        raise ValueError(f"{title or reference}: its rows have no equal time in common: run all of them again")
+    (t,) = times
+    ref = f"{lines[0]['setting']}: {reference}" if lines[0]["stage"] == "pilot" else reference
     head = (
-        "| | seeds | final pass@1 (equal steps) | vs "
-        + reference
-        + " | pass@1 at "
-        + f"{t_equal:.0f} s"
-        + " | vs "
-        + reference
-        + " | steps/min | stale tokens | lag | ESS | clipped | KL(mu‖pi) mean / last 10 "
+        f"| | seeds | final pass@1 (equal steps) | vs {ref} | pass@1 at {t} s | vs {ref} "
+        "| steps/min | stale tokens | lag | ESS | clipped | KL(mu‖pi) mean / last 10 "
         "| reward, last 10 steps | eval answers finished | runtime s |"
     )
-    lines = [title, "", head, "|---" * 14 + "|"]
-    for label, runs in rows:
-        n = min(len(runs), len(ref))
-        same = runs is ref
-        lines.append(
-            f"| {label} | {len(runs)} | {ms([r['final'] for r in runs])} | "
-            + ("-" if same else paired_t([r["final"] for r in runs[:n]], [r["final"] for r in ref[:n]]))
-            + f" | {ms([at_time(r['curve'], t_equal) for r in runs])} | "
-            + (
-                "-"
-                if same
-                else paired_t(
-                    [at_time(r["curve"], t_equal) for r in runs[:n]], [at_time(r["curve"], t_equal) for r in ref[:n]]
-                )
-            )
-            + f" | {ms([r['steps_per_min'] for r in runs], '{:.1f}')}"
-            f" | {100 * statistics.mean(r['stale'] for r in runs):.1f}%"
-            f" | {statistics.mean(r['lag'] for r in runs):.2f} | {statistics.mean(r['ess'] for r in runs):.4f}"
-            f" | {100 * statistics.mean(r['clipped'] for r in runs):.2f}%"
-            f" | {statistics.mean(r['kl'] for r in runs):.1e} / {statistics.mean(r['kl_last'] for r in runs):.1e}"
-            f" | {statistics.mean(r['reward'] for r in runs):.3f}"
-            f" | {100 * statistics.mean(r['finished'] for r in runs):.1f}%"
-            + (f" | {statistics.mean(r['runtime'] for r in runs):.0f} |" if all(r["runtime"] for r in runs) else " | |")
+    out = [*([title, ""] if title else []), head, "|---" * 15 + "|"]
+    for s in lines:
+        vs = s["vs"].get(reference)
+        out.append(
+            f"| {s['setting'] + ': ' if s['stage'] == 'pilot' else ''}{s['label']} | {len(s['seeds'])} "
+            f"| {ms(s['final'])} | {show_paired(vs['final']) if vs else '-'} "
+            f"| {ms(s['at_s'][t])} | {show_paired(vs['at']) if vs else '-'} "
+            f"| {ms(s['steps_per_min'], '{:.1f}')} | {100 * s['stale']:.1f}% | {s['lag']:.2f} | {s['ess']:.4f} "
+            f"| {100 * s['clipped']:.2f}% | {s['kl']:.1e} / {s['kl_last']:.1e} | {s['reward']:.3f} "
+            f"| {100 * s['finished']:.1f}% | " + (f"{s['runtime']:.0f} |" if s["runtime"] else "|")
         )
-    return "\n".join(lines)
+    return "\n".join(out)
+
+
+def last(**match):
+    """The last line of results/stress.jsonl whose fields have these values."""
+    return [s for s in marked.read("stress") if all(s.get(k) == v for k, v in match.items())][-1]
+
+
+def archived(batch, stage, setting, labels, reference):
+    """A table of RESULTS.md as its batch of runs printed it (the lines copied from there)."""
+    return table(None, [last(batch=batch, stage=stage, setting=setting, label=label) for label in labels], reference)
+
+
+def course_losses():
+    """The course's table: every --loss on stale at the setting the pilot chose, each --loss with its own
+    defaults (gspo per answer), and gspo's token mean beside it: the runs the best-correction rule read."""
+    from grpo import LOSSES
+
+    setting = SETTINGS[1][0]  # where the pilot's rule broke the naive loss (RESULTS.md)
+    rows = [(f"`{loss}`", "stale " + loss, "answer" if loss == "gspo" else "token") for loss in LOSSES]
+    at = [label for _, label, _ in rows].index("stale gspo")
+    rows[at : at + 1] = [
+        ("`gspo` (per answer: its default)", "stale gspo", "answer"),
+        ("`gspo --loss-agg token` (what the rule chose by)", "stale gspo", "token"),
+    ]
+    rows.append(("`sync --loss none` (no lag)", "sync none", "token"))
+    lines = [(shown, last(setting=setting, label=label, loss_agg=agg)) for shown, label, agg in rows]
+    best = max(s["final"][0] for shown, s in lines if s["label"].startswith("stale"))
+    out = [
+        "| `--loss` on `stale` | final pass@1 | vs `stale none` (points) | stale tokens | ESS | KL(mu‖pi) | clipped |",
+        "|---" * 7 + "|",
+    ]
+    for shown, s in lines:
+        final, vs = ms(s["final"]), s["vs"].get("stale none")
+        out.append(
+            f"| {shown} | {f'**{final}**' if s['final'][0] == best else final} "
+            f"| {show_paired(vs['final']) if vs else ''} "
+            f"| {100 * s['stale']:.1f}% | {s['ess']:.2f} | {s['kl']:.2g} | {100 * s['clipped']:.2g}% |"
+        )
+    return "\n".join(out)
+
+
+STRESS = SETTINGS[1][0]
+TABLES = {
+    "stress-losses": course_losses,
+    "stress-pilot-long": lambda: archived("issue 40", "pilot", "long preset", ["stale none", "sync none"], "sync none"),
+    "stress-pilot-lag8": lambda: archived("issue 40", "pilot", STRESS, ["stale none", "sync none"], "sync none"),
+    "stress-holds-losses": lambda: archived(
+        "issue 40",
+        "holds",
+        STRESS,
+        [f"stale {x}" for x in ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo")],
+        "stale none",
+    ),
+    "stress-holds-regimes": lambda: archived(
+        "issue 40",
+        "holds",
+        STRESS,
+        ["stale gspo", "recompute gspo", "sync gspo", "recompute none", "stale none"],
+        "sync gspo",
+    ),
+    "stress-rerun-losses": lambda: archived(
+        "issues 49-50", "holds", STRESS, ["stale none", "stale gspo", "stale m2po"], "stale none"
+    ),
+    "stress-rerun-regimes": lambda: archived(
+        "issues 49-50",
+        "holds",
+        STRESS,
+        ["stale gspo", "recompute gspo", "sync gspo", "recompute none", "stale none"],
+        "sync gspo",
+    ),
+}
 
 
 def pilot(out, jobs, table_only):
     """Stage 1. Returns the chosen setting (label, flags) by the rule in the docstring, and the tables."""
     tables, chosen = [], SETTINGS[-1]
     for label, flags in SETTINGS:
-        runs = ensure(
-            out,
-            "pilot",
-            [
-                (f"{label}: stale none", ("--regime", "stale", "--loss", "none", *flags)),
-                (f"{label}: sync none", ("--regime", "sync", "--loss", "none", *flags)),
-            ],
-            jobs,
-            table_only,
-        )
-        rows = [(k, [read_run(r) for r in v]) for k, v in runs.items()]
-        if any(len(v) < len(SEEDS) for _, v in rows):
-            tables.append(f"({label}: {min(len(v) for _, v in rows)} of {len(SEEDS)} seeds on disk)")
+        pair = [(f"{regime} none", ("--regime", regime, "--loss", "none", *flags)) for regime in ("stale", "sync")]
+        runs = ensure(out, "pilot", [(f"{label}: {name}", f) for name, f in pair], jobs, table_only)
+        rows = [(name, f, [read_run(r) for r in runs[f"{label}: {name}"]]) for name, f in pair]
+        if any(len(v) < len(SEEDS) for _, _, v in rows):
+            tables.append(f"({label}: {min(len(v) for _, _, v in rows)} of {len(SEEDS)} seeds on disk)")
             return None, tables
-        tables.append(
-            table(f"**pilot: {label}** (`{' '.join(flags) or 'the preset as it is'}`)", rows, f"{label}: sync none")
-        )
-        d = [100 * (a["final"] - b["final"]) for a, b in zip(rows[0][1], rows[1][1])]
+        lines = summarise("pilot", label, rows, "sync none")
+        keep(lines)
+        tables.append(table(f"**pilot: {label}** (`{' '.join(flags) or 'the preset as it is'}`)", lines, "sync none"))
+        d = [100 * (a["final"] - b["final"]) for a, b in zip(rows[0][2], rows[1][2])]
         breaks = t_interval(d)[1] < 0
         tables.append(
             f"rule: stale none - sync none = {statistics.mean(d):+.1f} points, t interval "
@@ -231,29 +360,26 @@ def pilot(out, jobs, table_only):
     return chosen, tables
 
 
+def after_losses(best):
+    """Stage 2's runs after the losses: (regime, --loss), as the docstring says."""
+    return [("recompute", best), ("sync", best), ("recompute", "none")]
+
+
 def holds(out, setting, jobs, table_only):
     """Stage 2 at `setting`. Returns the tables."""
     from grpo import LOSSES
 
     label, flags = setting
-    losses = ensure(
-        out,
-        "holds",
-        [(f"stale {name}", ("--regime", "stale", "--loss", name, *flags)) for name in LOSSES],
-        jobs,
-        table_only,
-    )
+    of = {f"stale {name}": ("--regime", "stale", "--loss", name, *flags) for name in LOSSES}  # label -> flags
+    losses = ensure(out, "holds", list(of.items()), jobs, table_only)
     rows = [(k, [read_run(r) for r in v]) for k, v in losses.items() if v]
     complete = [(k, v) for k, v in rows if len(v) == len(SEEDS) and k != "stale none"]
     best = max(complete, key=lambda kv: statistics.mean(r["final"] for r in kv[1]))[0].split()[1] if complete else "tis"
+    of |= {f"{regime} {loss}": ("--regime", regime, "--loss", loss, *flags) for regime, loss in after_losses(best)}
     regimes = ensure(
         out,
         "holds",
-        [
-            (f"recompute {best}", ("--regime", "recompute", "--loss", best, *flags)),
-            (f"sync {best}", ("--regime", "sync", "--loss", best, *flags)),
-            ("recompute none", ("--regime", "recompute", "--loss", "none", *flags)),
-        ],
+        [(k, of[k]) for k in (f"{regime} {loss}" for regime, loss in after_losses(best))],
         jobs,
         table_only,
     )
@@ -277,11 +403,16 @@ def holds(out, setting, jobs, table_only):
         if len(runs.get(f"stale {name}", [])) == len(runs.get(f"recompute {name}", [])) > 1
         for t in [min(r["curve"][-1][1] for r in runs[f"stale {name}"] + runs[f"recompute {name}"])]
     ]
+    lines = summarise("holds", label, [(k, of[k], v) for k, v in rows], "stale none")
+    lines2 = (
+        summarise("holds", label, [(k, of[k], v) for k, v in rows2], f"sync {best}") if regimes[f"sync {best}"] else []
+    )
+    keep(lines, lines2)
     return [
-        table(f"**holds: every --loss on stale**, at {label} (`{' '.join(flags)}`)", rows, "stale none"),
+        table(f"**holds: every --loss on stale**, at {label} (`{' '.join(flags)}`)", lines, "stale none"),
         f"best correction by the rule: {best}" + (f" (so far: {', '.join(missing)} not finished)" if missing else ""),
-        table(f"**holds: stale against recompute against sync**, at {label}", rows2, f"sync {best}")
-        if regimes[f"sync {best}"]
+        table(f"**holds: stale against recompute against sync**, at {label}", lines2, f"sync {best}")
+        if lines2
         else f"(sync {best} not run yet)",
         *kv,
     ]
@@ -304,6 +435,8 @@ def main():
         )
     if "holds" in args.stages:
         print("\n\n".join(holds(args.out, setting, args.jobs, args.table_only)) + "\n", flush=True)
+    for page, name in marked.write(TABLES):
+        print(f"wrote {name} into {page}", file=sys.stderr)
     if args.figure:
         from plot import plot_curves
         from grpo import LOSSES

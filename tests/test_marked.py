@@ -1,0 +1,72 @@
+"""
+Every marked table of README.md, docs/course.md and RESULTS.md is what its builder makes of the
+committed data (results/<tool>.jsonl): a digit typed by hand, a copy that drifted from its
+original, a block nobody builds, or a builder whose block was deleted, fails here.
+
+    .venv/bin/python -m pytest -q tests/test_marked.py
+"""
+
+import os
+import re
+import shutil
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import marked  # noqa: E402
+
+pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
+
+
+def test_every_marked_table_is_rebuilt_from_the_data():
+    assert marked.differences() == [], "\n".join(marked.differences())
+
+
+def copy_pages(tmp_path):
+    for page in marked.PAGES:
+        os.makedirs(os.path.dirname(tmp_path / page), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, page), tmp_path / page)
+
+
+def test_one_changed_digit_fails(tmp_path):
+    """On a copy of the pages: one digit of one table's last row changed is found, by its table and line."""
+    copy_pages(tmp_path)
+    path = tmp_path / "docs/course.md"
+    text = path.read_text()
+    name, body = marked.blocks(text)[0]
+    last = body.splitlines()[-1]
+    digit = re.search(r"\d", last.split("|")[2])  # the first digit of the row's first number
+    changed = last.replace(
+        last.split("|")[2],
+        last.split("|")[2][: digit.start()] + str((int(digit.group()) + 1) % 10) + last.split("|")[2][digit.end() :],
+        1,
+    )
+    path.write_text(text.replace(body, body.replace(last, changed)))
+    found = marked.differences(tmp_path)
+    assert len(found) == 1 and f"table '{name}', line {len(body.splitlines())}:" in found[0], found
+
+
+def test_a_block_with_no_builder_and_a_builder_with_no_block_fail(tmp_path):
+    copy_pages(tmp_path)
+    path = tmp_path / "README.md"
+    text = path.read_text()
+    name = marked.blocks(text)[0][0]
+    path.write_text(text.replace(f"<!-- table: {name} -->", "<!-- table: nobody-builds-this -->"))
+    found = marked.differences(tmp_path)
+    assert any("'nobody-builds-this' has no builder" in f for f in found), found
+    assert any(f"table '{name}' has a builder and no block" in f for f in found), found
+
+
+def test_write_puts_the_builders_text_between_the_markers_alone(tmp_path):
+    """write() on a page whose block holds something else: the block becomes the builder's text, and
+    every line outside the markers stays as it was."""
+    copy_pages(tmp_path)
+    path = tmp_path / "README.md"
+    text = path.read_text()
+    name, body = marked.blocks(text)[0]
+    path.write_text(text.replace(body, "| stale | 9.999 |"))
+    assert ("README.md", name) in marked.write(marked.builders(), root=tmp_path)
+    assert path.read_text() == text

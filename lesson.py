@@ -1,6 +1,8 @@
 """
-The whole asynchronous GRPO loop in one process, on a simulated clock. Read this first,
-with docs/course.md's Concepts beside it (pi, mu, the ratio, lag, stale tokens, pass@1).
+The whole asynchronous GRPO loop in one process, on a simulated clock. Read it after the
+README (up to "What we found"), with docs/course.md's Concepts beside it (pi, mu, the ratio,
+lag, stale tokens, pass@1); then what its loop calls, in the order it calls it: pool.py,
+grpo.py, regimes.py, engine.py (docs/course.md, "The first sitting").
 
     python lesson.py                                      # tiny model, short answers: 150 steps, ~2.7 min on 2 cores
     python lesson.py --preset long --regime stale         # long answers: a third of trained tokens stale, ~2 min

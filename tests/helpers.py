@@ -9,13 +9,14 @@ What several test files share: plain functions and constants, imported by name
 - the checks test_smol.py repeats on SmolLM2: the weight sync, stale and recompute;
 - the trainer's step on a small model (test_train.py, test_ranks.py);
 - the run directory's contract (test_smoke.py, test_smol.py, test_ranks.py);
-- the project's import graph (test_layout.py, test_lesson.py).
+- the project's import graph (test_layout.py, test_lesson.py), and the first sitting of the course.
 """
 
 import ast
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -546,3 +547,24 @@ def graph():
     """{project module: the project modules it imports}, test_smoke.py left out."""
     mods = project_modules()
     return {m: imports(p, mods) - {m} for m, p in mods.items() if not os.path.basename(p).startswith("test_")}
+
+
+# -----------------------------------------------------------------------------
+# docs/course.md's first sitting (test_layout.py counts it, test_lesson.py checks it against a run)
+
+SITTING_MODULES = ("lesson", "pool", "grpo", "regimes", "engine")  # the order lesson.py's loop calls them in
+
+
+def first_sitting():
+    """The first sitting's text, and its code steps in order: [(file, [names] or None for
+    all of it, lines stated)], from lines "N. **`file.py`: `name`, `name`** (L lines)"."""
+    course = open(os.path.join(ROOT, "docs", "course.md")).read()
+    part = course[course.index("### The first sitting") :]
+    part = part[: part.index("\n#", 1)]
+    steps = [
+        (path, re.findall(r"`([\w.]+)`", names) if names else None, int(stated))
+        for path, names, stated in re.findall(
+            r"^\d+\. \*\*`(\w+\.py)`(?:, all of it|: ([^*]+))\*\* \((\d+) lines\)", part, flags=re.M
+        )
+    ]
+    return part, steps

@@ -12,6 +12,7 @@ and seeds torch's generator itself, so a reused engine gives what a new one woul
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import lesson
-from helpers import ROOT, graph
+from helpers import ROOT, SITTING_MODULES, first_sitting, graph
 from runlog import activity_spans
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
@@ -259,3 +260,41 @@ def test_the_step_is_train_pys(flags, tmp_path):
     assert not torch.equal(
         models[0].model.norm.weight, AutoModelForCausalLM.from_pretrained(cfg["model_path"]).model.norm.weight
     ), "the step moved nothing: the comparison proves nothing"
+
+
+def test_the_first_sitting_is_what_the_loop_calls(tmp_path):
+    """docs/course.md's first sitting against what lesson.py's loop runs, watched with
+    sys.setprofile over a short run of each regime at the default loss: every function of
+    lesson, pool, grpo, regimes and engine called on the reading path (from a function on
+    the list, with nothing skipped in between) is on the list or named in the sitting's
+    text as skipped; and every function on the list is called. A skipped function takes
+    what it calls with it. Nested functions and comprehensions count as their function's."""
+    part, steps = first_sitting()
+    listed = {n for _, names, _ in steps for n in names or () if n != "__doc__"}
+    named = set(re.findall(r"`([\w.]+)`", part))
+    own = lambda q: q.split(".<locals>.")[0]  # main.<locals>.evaluate reads as main
+    on_list = lambda q: q in listed or q.split(".")[0] in listed  # a class listed whole holds its methods
+    called, on_path = set(), set()
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_globals.get("__name__") not in SITTING_MODULES:
+            return
+        q, f = own(frame.f_code.co_qualname), frame.f_back
+        called.add(q)
+        while f is not None:  # the callers within the sitting's modules: each must be on the list
+            if f.f_globals.get("__name__") in SITTING_MODULES and not on_list(own(f.f_code.co_qualname)):
+                return
+            f = f.f_back
+        on_path.add(q)
+
+    for regime in REGIMES:
+        sys.setprofile(profile)
+        try:
+            run(regime, tmp_path / regime, "--steps", "2", "--prompts-per-step", "8")  # 4 groups: none mixed
+        finally:
+            sys.setprofile(None)
+    unnamed = sorted(q for q in on_path if q not in named and q.split(".")[0] not in named)
+    assert not unnamed, f"called on the sitting's path, and neither listed nor named as skipped: {unnamed}"
+    tuples = {n for n in listed if isinstance(getattr(lesson, n, None), type) and issubclass(getattr(lesson, n), tuple)}
+    never = sorted(n for n in listed - tuples if not any(q == n or q.startswith(n + ".") for q in called))
+    assert not never, f"on the sitting's list, never called: {never}"

@@ -22,6 +22,7 @@ weights) and on `sync` (nothing off-policy: the reference); and `recompute --los
 (stale KV against rebuilt KV when nothing corrects either). Each --loss with its own
 defaults: `gspo` averages per answer (--loss-agg answer, as its paper; issue 49 changed
 this from the token mean, and its runs were made again), `m2po` was added by issue 50.
+The losses are those grpo.LOSSES held then (HOLDS_LOSSES): `m2po-authors`, added later, has no runs here.
 
 Tables: final pass@1 at equal steps (every run takes the preset's steps) and at equal simulated
 time (the earliest end among the runs compared: each run's last evaluation at or before it),
@@ -54,6 +55,7 @@ from runlog import per_token, read_jsonl  # noqa: E402
 from sweep import t_interval  # noqa: E402
 
 SEEDS = (0, 1, 2)
+HOLDS_LOSSES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po")  # stage 2's: grpo.LOSSES at issue 50
 # the long preset cut to 40 steps (every regime has reached its plateau by step ~40, RESULTS.md), pass@1 every
 # 10 steps for the learning curves: ~3 minutes a run on one core
 BASE = ("--preset", "long", "--steps", "40", "--eval-every", "10")
@@ -277,10 +279,8 @@ def archived(batch, stage, setting, labels, reference):
 def course_losses():
     """The course's table: every --loss on stale at the setting the pilot chose, each --loss with its own
     defaults (gspo per answer), and gspo's token mean beside it: the runs the best-correction rule read."""
-    from grpo import LOSSES
-
     setting = SETTINGS[1][0]  # where the pilot's rule broke the naive loss (RESULTS.md)
-    rows = [(f"`{loss}`", "stale " + loss, "answer" if loss == "gspo" else "token") for loss in LOSSES]
+    rows = [(f"`{loss}`", "stale " + loss, "answer" if loss == "gspo" else "token") for loss in HOLDS_LOSSES]
     at = [label for _, label, _ in rows].index("stale gspo")
     rows[at : at + 1] = [
         ("`gspo` (per answer: its default)", "stale gspo", "answer"),
@@ -367,10 +367,8 @@ def after_losses(best):
 
 def holds(out, setting, jobs, table_only):
     """Stage 2 at `setting`. Returns the tables."""
-    from grpo import LOSSES
-
     label, flags = setting
-    of = {f"stale {name}": ("--regime", "stale", "--loss", name, *flags) for name in LOSSES}  # label -> flags
+    of = {f"stale {name}": ("--regime", "stale", "--loss", name, *flags) for name in HOLDS_LOSSES}  # label -> flags
     losses = ensure(out, "holds", list(of.items()), jobs, table_only)
     rows = [(k, [read_run(r) for r in v]) for k, v in losses.items() if v]
     complete = [(k, v) for k, v in rows if len(v) == len(SEEDS) and k != "stale none"]
@@ -439,9 +437,10 @@ def main():
         print(f"wrote {name} into {page}", file=sys.stderr)
     if args.figure:
         from plot import plot_curves
-        from grpo import LOSSES
 
-        runs = {f"stale {name}": [run_dir(args.out, "holds", f"stale {name}", s) for s in SEEDS] for name in LOSSES}
+        runs = {
+            f"stale {name}": [run_dir(args.out, "holds", f"stale {name}", s) for s in SEEDS] for name in HOLDS_LOSSES
+        }
         runs.update(
             {
                 label: [run_dir(args.out, "holds", label, s) for s in SEEDS]  # the on-policy reference

@@ -131,6 +131,54 @@ def heap_probed_generator(cfg, samples_q, control_q, joined):
     generator_process.generator_main(cfg, samples_q, control_q, joined)
 
 
+def guard_ops(tensors):
+    """The aten ops the push's guard dispatches for each of `tensors`, as send_weights runs it
+    (`sent += checksum(t)`; the engine's take() runs the same for each tensor that arrives): one
+    Counter per tensor, op -> calls. Views (view, detach) are counted too: they launch no kernel
+    but are a dispatch each; `op.is_view` tells them apart. Works on the meta device."""
+    import collections
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from generator_process import checksum
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[func] += 1
+            return func(*args, **(kwargs or {}))
+
+    per_tensor, sent = [], None
+    for t in tensors:
+        if sent is None:
+            sent = torch.zeros(2, dtype=torch.int64, device=t.device)
+        ops = collections.Counter()
+        with Count():
+            sent += checksum(t)
+        per_tensor.append(ops)
+    return per_tensor
+
+
+def guard_cost(tensors, rounds=5):
+    """The guard of one push on one side, alone: (seconds, median of `rounds`; ops dispatched;
+    of which kernels). On a GPU the seconds are the GPU's (synchronized), not the CPU's launches."""
+    import torch
+    from generator_process import checksum
+
+    took = []
+    for _ in range(rounds):
+        t0 = time.time()
+        sent = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
+        for t in tensors:
+            sent += checksum(t)
+        sent.tolist()  # waits for a GPU's kernels
+        took.append(time.time() - t0)
+    ops = guard_ops(tensors)
+    return (
+        median_high(took),
+        sum(sum(c.values()) for c in ops),
+        sum(n for c in ops for f, n in c.items() if not f.is_view),
+    )
+
+
 def bench_sync(args):
     import socket
     import threading
@@ -325,6 +373,12 @@ def bench_sync(args):
         f"  the push waited for at once (transfer and load end to end): {whole_s:.3f}s -> {whole_s / raw_s:.2f}x "
         f"the raw broadcast; the forward and backward of {args.step_tokens} tokens it overlaps: "
         f"{median_high(step_s):.3f}s"
+    )
+    guard_s, ops, kernels = guard_cost(send)
+    print(
+        f"  the guard (generator_process.checksum, each side of a push): {ops} ops dispatched for {len(send)} tensors "
+        f"({ops / len(send):.1f} a tensor, {kernels} of them kernels), {guard_s:.4f}s alone (median of 5) "
+        f"-> {guard_s / raw_s:.3f}x the raw broadcast"
     )
     print(
         f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "

@@ -388,6 +388,41 @@ def bench_sync(args):
     return push_s / raw_s, extra, plan
 
 
+class step_split:
+    """An LLMEngine's step() timed in two parts, per round: its engine core's output (schedule,
+    forward, sample: engine_core.get_output) and its output processor (RequestOutputs); the
+    round's wall time less the two is the caller's own. A perf_counter pair per call, on both sides."""
+
+    def __init__(self, engine):
+        self.rounds, self.now = [], {"core": 0.0, "outputs": 0.0}
+        for part, obj, name in (
+            ("core", engine.engine_core, "get_output"),
+            ("outputs", engine.output_processor, "process_outputs"),
+        ):
+            setattr(obj, name, self.timed(part, getattr(obj, name)))
+
+    def timed(self, part, f):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.now[part] += time.perf_counter() - t0
+
+        return call
+
+    def round(self, wall):
+        self.rounds.append((self.now["core"], self.now["outputs"], wall - self.now["core"] - self.now["outputs"]))
+        self.now = {"core": 0.0, "outputs": 0.0}
+
+    def __str__(self):
+        rounds = self.rounds[1:]
+        return "; ".join(
+            f"{part} {' '.join(f'{r[i]:.3f}' for r in rounds)} (median {median_high(r[i] for r in rounds):.3f})"
+            for i, part in enumerate(("engine core", "output processor", "the rest"))
+        )
+
+
 def bench_generate(args):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
@@ -443,6 +478,10 @@ def bench_generate(args):
         temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0, detokenize=False
     )
     prompts = [dict(prompt_token_ids=ids) for ids in prompt_ids(tok, problems, "synth") for _ in range(8)]
+    # where each side's round goes: vLLM's engine core (schedule, forward, sample), its output
+    # processor (the step loop asks for DELTA outputs: a RequestOutput per answer per step, which
+    # LLM.generate's FINAL_ONLY makes once per answer), and the rest (our bookkeeping; theirs)
+    split = {"ours": step_split(gen.engine), "theirs": step_split(llm.llm_engine)}
     ours, theirs = [], []
     for _ in range(args.rounds):  # alternate, so both see the same machine; the first round warms up
         gen.next_group, gen.stats["gen_tokens"] = 0, 0
@@ -452,9 +491,13 @@ def bench_generate(args):
         while gen.inflight:
             gen.step()
         ours.append(gen.stats["gen_tokens"] / (time.time() - t0))
+        split["ours"].round(time.time() - t0)
         t0 = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         theirs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.time() - t0))
+        split["theirs"].round(time.time() - t0)
+    for name, sp in split.items():
+        print(f"  {name}, seconds per round (after the first): {sp}")
     ours, theirs = median_high(ours[1:]), median_high(theirs[1:])
     print(
         f"generation ({len(prompts)} answers, median of {args.rounds - 1} rounds each): step loop {ours:.0f} tok/s "

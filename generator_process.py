@@ -49,26 +49,31 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
     )
 
 
-CHECK_CHUNK = 2**16  # elements a checksum reads at once: its int64 temporary stays at 512 KiB
-CHECK_MOD = 2**40  # each tensor's sums are kept mod this, so an acknowledgement's sum never overflows int64
-
-
 def checksum(t):
     """Two integers that change whenever a bit of `t` changes (unless changes cancel out
-    exactly): the sums of its elements' bit patterns read as integers, over all of them and
-    over every other one, each mod CHECK_MOD, as an int64 tensor on t's device. The same on
-    both sides of a push, whatever the device: integer sums are exact and do not depend on
-    their order. send_weights and WeightReceiver.receive_weights add them up per push."""
+    exactly): t's bytes read as int32 words, summed over its first half and over its second
+    half, each wrapping mod 2^32, as an int32 tensor of 2 on t's device. Integer sums are
+    exact mod 2^32 and do not depend on their order, so the same bits give the same two
+    numbers on the CPU and on a GPU. One kernel a tensor, which reads t once and writes 8
+    bytes (and two views): the sum is asked for in int32, the words' own type, because torch
+    casts a whole copy of its input first when the dtype differs (an int16 view summed into
+    int64: a copy 4x the tensor). send_weights and WeightReceiver.receive_weights add them up
+    per push into int64 (one more kernel each): 2^31 x a model's tensors x the engines stays
+    far inside it. Where it sits: on a GPU the kernels queue on the current stream (the CPU
+    pays their launches, the stream a read of the bytes before the next forward); on CPU the
+    trainer's thread reads every tensor once as it posts it, and the engine's every tensor
+    that arrives. A tensor whose bytes are not whole int32 words in two equal halves (an
+    odd-length bf16 vector; none of Qwen3's) is copied once, padded with zeros."""
     import torch
 
-    bits = (
-        t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    )
-    total = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for a in range(0, len(bits), CHECK_CHUNK):  # CHECK_CHUNK is even: chunk[1::2] are t's odd elements
-        chunk = bits[a : a + CHECK_CHUNK]
-        total += torch.stack([chunk.sum(dtype=torch.int64), chunk[1::2].sum(dtype=torch.int64)])
-    return total % CHECK_MOD
+    size = t.element_size()
+    whole = t.numel() * size % 8 == 0 and t.dim() and t.shape[-1] * size % 4 == 0 and t.storage_offset() * size % 4 == 0
+    if whole and t.is_contiguous():
+        words = t.view(torch.int32)
+    else:
+        b = t.reshape(-1).view(torch.uint8)
+        words = torch.cat([b, b.new_zeros(-len(b) % 8)]).view(torch.int32)
+    return words.view(2, -1).sum(1, dtype=torch.int32)
 
 
 def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):

@@ -131,6 +131,54 @@ def heap_probed_generator(cfg, samples_q, control_q, joined):
     generator_process.generator_main(cfg, samples_q, control_q, joined)
 
 
+def guard_ops(tensors):
+    """The aten ops the push's guard dispatches for each of `tensors`, as send_weights runs it
+    (`sent += checksum(t)`; the engine's take() runs the same for each tensor that arrives): one
+    Counter per tensor, op -> calls. Views (view, detach) are counted too: they launch no kernel
+    but are a dispatch each; `op.is_view` tells them apart. Works on the meta device."""
+    import collections
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from generator_process import checksum
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[func] += 1
+            return func(*args, **(kwargs or {}))
+
+    per_tensor, sent = [], None
+    for t in tensors:
+        if sent is None:
+            sent = torch.zeros(2, dtype=torch.int64, device=t.device)
+        ops = collections.Counter()
+        with Count():
+            sent += checksum(t)
+        per_tensor.append(ops)
+    return per_tensor
+
+
+def guard_cost(tensors, rounds=5):
+    """The guard of one push on one side, alone: (seconds, median of `rounds`; ops dispatched;
+    of which kernels). On a GPU the seconds are the GPU's (synchronized), not the CPU's launches."""
+    import torch
+    from generator_process import checksum
+
+    took = []
+    for _ in range(rounds):
+        t0 = time.time()
+        sent = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
+        for t in tensors:
+            sent += checksum(t)
+        sent.tolist()  # waits for a GPU's kernels
+        took.append(time.time() - t0)
+    ops = guard_ops(tensors)
+    return (
+        median_high(took),
+        sum(sum(c.values()) for c in ops),
+        sum(n for c in ops for f, n in c.items() if not f.is_view),
+    )
+
+
 def bench_sync(args):
     import socket
     import threading
@@ -326,12 +374,53 @@ def bench_sync(args):
         f"the raw broadcast; the forward and backward of {args.step_tokens} tokens it overlaps: "
         f"{median_high(step_s):.3f}s"
     )
+    guard_s, ops, kernels = guard_cost(send)
+    print(
+        f"  the guard (generator_process.checksum, each side of a push): {ops} ops dispatched for {len(send)} tensors "
+        f"({ops / len(send):.1f} a tensor, {kernels} of them kernels), {guard_s:.4f}s alone (median of 5) "
+        f"-> {guard_s / raw_s:.3f}x the raw broadcast"
+    )
     print(
         f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
         f"the trainer blocked {push_s:.3f}s by a push vs {raw_s:.3f}s by a raw broadcast (medians of {args.rounds}) "
         f"-> {push_s / raw_s:.2f}x (target <= {SYNC_TARGET}x)"
     )
     return push_s / raw_s, extra, plan
+
+
+class step_split:
+    """An LLMEngine's step() timed in two parts, per round: its engine core's output (schedule,
+    forward, sample: engine_core.get_output) and its output processor (RequestOutputs); the
+    round's wall time less the two is the caller's own. A perf_counter pair per call, on both sides."""
+
+    def __init__(self, engine):
+        self.rounds, self.now = [], {"core": 0.0, "outputs": 0.0}
+        for part, obj, name in (
+            ("core", engine.engine_core, "get_output"),
+            ("outputs", engine.output_processor, "process_outputs"),
+        ):
+            setattr(obj, name, self.timed(part, getattr(obj, name)))
+
+    def timed(self, part, f):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.now[part] += time.perf_counter() - t0
+
+        return call
+
+    def round(self, wall):
+        self.rounds.append((self.now["core"], self.now["outputs"], wall - self.now["core"] - self.now["outputs"]))
+        self.now = {"core": 0.0, "outputs": 0.0}
+
+    def __str__(self):
+        rounds = self.rounds[1:]
+        return "; ".join(
+            f"{part} {' '.join(f'{r[i]:.3f}' for r in rounds)} (median {median_high(r[i] for r in rounds):.3f})"
+            for i, part in enumerate(("engine core", "output processor", "the rest"))
+        )
 
 
 def bench_generate(args):
@@ -389,6 +478,10 @@ def bench_generate(args):
         temperature=cfg["temperature"], max_tokens=cfg["max_new_tokens"], logprobs=0, detokenize=False
     )
     prompts = [dict(prompt_token_ids=ids) for ids in prompt_ids(tok, problems, "synth") for _ in range(8)]
+    # where each side's round goes: vLLM's engine core (schedule, forward, sample), its output
+    # processor (the step loop asks for DELTA outputs: a RequestOutput per answer per step, which
+    # LLM.generate's FINAL_ONLY makes once per answer), and the rest (our bookkeeping; theirs)
+    split = {"ours": step_split(gen.engine), "theirs": step_split(llm.llm_engine)}
     ours, theirs = [], []
     for _ in range(args.rounds):  # alternate, so both see the same machine; the first round warms up
         gen.next_group, gen.stats["gen_tokens"] = 0, 0
@@ -398,9 +491,13 @@ def bench_generate(args):
         while gen.inflight:
             gen.step()
         ours.append(gen.stats["gen_tokens"] / (time.time() - t0))
+        split["ours"].round(time.time() - t0)
         t0 = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         theirs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.time() - t0))
+        split["theirs"].round(time.time() - t0)
+    for name, sp in split.items():
+        print(f"  {name}, seconds per round (after the first): {sp}")
     ours, theirs = median_high(ours[1:]), median_high(theirs[1:])
     print(
         f"generation ({len(prompts)} answers, median of {args.rounds - 1} rounds each): step loop {ours:.0f} tok/s "

@@ -44,6 +44,7 @@ import json
 import os
 import random
 import shutil
+from functools import partial
 from typing import NamedTuple
 
 from engine import Generator, as_tensors, load_in_place, make_engine, vllm_env
@@ -73,7 +74,7 @@ from grpo import (
 from pool import Pool, pool_stats
 from preflight import check_budget, check_model
 from regimes import make_regime
-from runlog import RunLog, step_line, write_ledger
+from runlog import Budgets, RunLog, step_line, write_ledger
 
 
 class SimClock:
@@ -100,12 +101,6 @@ class SimClock:
         return waited
 
 
-EVAL_AT_HELP = (  # the staleness frontier's equal time (tools/frontier.py)
-    "simulated seconds, comma-separated: pass@1 of the weights the generator holds at each (eval_at.jsonl; "
-    "evaluated after the run, so it costs the run no time); the run ends at the last"
-)
-
-
 class Push(NamedTuple):
     """The trainer's new weights on their way to the generator."""
 
@@ -127,7 +122,7 @@ def parse_config(argv=None):
         help="simulated seconds per token a trainer step runs through the model (grpo.run_tokens)",
     )
     p.add_argument("--load-s", type=float, default=0.040, help="simulated seconds per weight load")
-    p.add_argument("--eval-at", type=lambda s: sorted(map(float, s.split(","))), default=[], help=EVAL_AT_HELP)
+    p.add_argument("--eval-at", type=lambda s: sorted(map(float, s.split(","))), default=[], help=Budgets.__doc__)
     cfg = config.fill(vars(p.parse_args(argv)), "lesson")  # and what follows from them (sync: --max-lag 0)
     for k in ("step_s", "prefill_s", "train_s", "load_s"):
         if not cfg[k] >= 0:
@@ -221,9 +216,8 @@ def main(argv=None, engine=None):
     version, step = 0, 0  # the weights the trainer holds; optimizer steps taken
     push = None  # a Push, from the end of a trainer step until the generator loads its weights
     free_at, last_stats, last_t = clock.now(), dict(gen.stats), clock.now()
-    holding = lambda: (version, step, {k: v.clone() for k, v in model.state_dict().items()})  # for --eval-at
-    held, at_t = holding(), {}  # (version, step, weights) the generator holds; {budget t: what it held at t}
-    while (step < cfg["steps"] or push) and not (cfg["eval_at"] and clock.now() >= cfg["eval_at"][-1]):
+    budgets = Budgets(cfg["eval_at"], model)  # --eval-at: the weights held at those simulated seconds
+    while (step < cfg["steps"] or push) and not budgets.over(clock.now()):
         # 1. what the generator finished since the last turn: answers into the pool, events into the log
         for kind, item in outbox:
             if kind == "sample":
@@ -254,11 +248,10 @@ def main(argv=None, engine=None):
             log.trainer("syncing", t=push.ready_s)
             if regime.switch(gen, push.version, model.state_dict()):
                 now, m = clock.now(), push.metrics
-                at_t.update({t: held for t in cfg["eval_at"] if t < now and t not in at_t})
                 m.update(wall_s=now, sync_s=now - push.ready_s)
                 m.update(generator_metrics(gen.stats, last_stats, now - last_t))
                 version, last_stats, last_t, push = push.version, dict(gen.stats), now, None
-                held = holding()
+                budgets.loaded(version, step, now)
                 if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
                     log.trainer("evaluating")
                     m.update(evaluate(step, version), eval_version=version)  # the weights just loaded
@@ -285,13 +278,7 @@ def main(argv=None, engine=None):
     log.trainer("done")
     print(f"done: {cfg['out']} ({clock.now():.1f} simulated seconds)")
     write_ledger(cfg, gen.stats)
-    at_t.update({t: held for t in cfg["eval_at"] if t <= clock.now() and t not in at_t})
-    for t, (v, at_step, weights) in sorted(at_t.items()):  # after the ledger: they cost the run no time
-        load_in_place(gen.engine, v, weights)
-        log.eval_at(m := dict(t=t, step=at_step, version=v, **evaluate(at_step, v)))
-        print(f"at {t:g} s: step {at_step} v{v} | eval {m['eval_acc']:.3f}", flush=True)
-    if missed := [t for t in cfg["eval_at"] if t not in at_t]:
-        print(f"--eval-at {missed}: the run ended (--steps {cfg['steps']}) at {clock.now():.1f} s, before")
+    budgets.evaluate(clock.now(), partial(load_in_place, gen.engine), evaluate, log)  # after the ledger: no time
     if not cfg["no_plot"]:
         from plot import plot_run
 

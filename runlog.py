@@ -123,6 +123,39 @@ class RunLog:
         self.evals.flush()
 
 
+class Budgets:
+    """simulated seconds, comma-separated: pass@1 of the weights the generator holds at each (eval_at.jsonl),
+    evaluated after the run, so that it costs the run no simulated time; the run ends at the last"""
+
+    # lesson.py --eval-at (tools/frontier.py's equal time): the weights held at t are the last version
+    # loaded at or before t; each load's weights are kept (a tiny model's: a few MB) until the next
+    # load says whether a budget fell in between
+
+    def __init__(self, times, model):
+        self.times, self.model, self.at, self.held = times, model, {}, None  # at: {t: (version, step, weights)}
+        self.loaded(0, 0, 0.0)
+
+    def loaded(self, version, step, now):
+        """The generator loaded `version` (the trainer's weights after `step` steps) at simulated second `now`."""
+        if self.times:
+            self.at.update({t: self.held for t in self.times if t < now and t not in self.at})
+            self.held = (version, step, {k: v.clone() for k, v in self.model.state_dict().items()})
+
+    def over(self, now):
+        return bool(self.times) and now >= self.times[-1]
+
+    def evaluate(self, now, load, evaluate, log):
+        """At the run's end (simulated second `now`): load(version, weights), then evaluate(step, version),
+        for each budget's weights."""
+        self.at.update({t: self.held for t in self.times if t <= now and t not in self.at})
+        for t, (version, step, weights) in sorted(self.at.items()):
+            load(version, weights)
+            log.eval_at(m := dict(t=t, step=step, version=version, **evaluate(step, version)))
+            print(f"at {t:g} s: step {step} v{version} | eval {m['eval_acc']:.3f}", flush=True)
+        if missed := [t for t in self.times if t not in self.at]:
+            print(f"--eval-at {missed}: after the run's end ({now:.1f} simulated s)")
+
+
 def step_line(m):
     """The log line of a step (metrics.jsonl has the same numbers, and more)."""
     return (

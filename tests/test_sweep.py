@@ -183,13 +183,42 @@ def test_pace_columns_and_claims_by_hand(tmp_path):
 
 
 def test_frontier_rule_by_hand():
-    """tools/frontier.py's rule, on numbers worked by hand: the highest mean pass@1 at equal
-    time, a tie to the smaller eta; beside it every eta whose paired 95% t interval holds 0.
-    eta 1, 2 and 4 all average 0.61: 1 wins the tie. eta 2 equals it seed by seed; eta 4
-    differs by +1, -1, 0 points (sd 1: the interval holds 0); eta 0 by -10, -9, -8
-    (-9 ± 4.303 / sqrt(3) = [-11.5, -6.5], without 0)."""
-    from tools.frontier import best_eta
+    """tools/frontier.py's rule, on numbers worked by hand (multiples of 1/8, so that means tie
+    exactly): the highest mean pass@1 at the last budget, a tie to the setting listed first;
+    beside it every setting whose paired 95% t interval holds 0. `stale` 1, `recompute` 1 and
+    `stale` 2 all average 0.625: `stale` 1 is listed first. `recompute` 1 differs from it by
+    -12.5, +12.5, 0 points (the interval holds 0), `stale` 2 by 0, 0, 0 ([0, 0] holds 0);
+    `sync` by -12.5 at every seed ([-12.5, -12.5], without 0)."""
+    from tools.frontier import best_setting
 
-    cells = {0: [0.50, 0.52, 0.54], 1: [0.60, 0.61, 0.62], 2: [0.60, 0.61, 0.62], 4: [0.61, 0.60, 0.62]}
-    assert best_eta(cells) == (1, [1, 2, 4])
-    assert best_eta({4: [0.7, 0.7], 2: [0.7, 0.7]}) == (2, [4, 2])  # the smaller eta, whatever the order
+    accs = {
+        ("sync", 0): [0.5, 0.375, 0.625],
+        ("stale", 1): [0.625, 0.5, 0.75],
+        ("recompute", 1): [0.5, 0.625, 0.75],
+        ("stale", 2): [0.625, 0.5, 0.75],
+    }
+    assert best_setting(accs) == (("stale", 1), [("stale", 1), ("recompute", 1), ("stale", 2)])
+    flipped = dict(reversed(list(accs.items())))  # now `stale` 2 is listed first of the three
+    assert best_setting(flipped)[0] == ("stale", 2)
+
+
+def test_frontier_says_intervals_and_power_by_hand():
+    """d = 1, 2, 3 points: mean 2, sd 1, se 1/sqrt(3) = 0.5774; the 95% interval 2 ± 4.303 x
+    0.5774 = 2 ± 2.48 = [-0.5, +4.5] holds 0: "cannot tell"; the difference 3 seeds detect with 80% power
+    is (4.303 + 1.061) x 0.5774 = 3.1 (not the half-width, 2.5). d = 4, 5, 6: [+2.5, +7.5], above 0."""
+    from tools.frontier import said
+
+    assert said([1, 2, 3]) == "+2.0 [-0.5, +4.5] cannot tell; 80%: 3.1"
+    assert said([4, 5, 6]) == "+5.0 [+2.5, +7.5] higher; 80%: 3.1"
+    assert said([-6, -5, -4]) == "-5.0 [-7.5, -2.5] lower; 80%: 3.1"
+
+
+def test_frontier_tables_come_from_the_data_file_alone(tmp_path):
+    """With no runs recorded, every table and the decision table say how many runs are missing,
+    and nothing is read from out/."""
+    from tools.frontier import decision, read_data, tables
+
+    data = read_data(str(tmp_path / "none.jsonl"))
+    assert data == dict(budgets={}, runs={})
+    assert tables(data).count("27 of 27 runs not in the data file yet") == 7
+    assert "| training is | not in the grid | `ppo`: 27 of 27 runs not in the data file yet |" in decision(data)

@@ -63,6 +63,7 @@ The rules:
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -75,6 +76,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import marked  # noqa: E402
 from runlog import per_token, read_jsonl  # noqa: E402
 from sweep import T975  # noqa: E402
 
@@ -366,10 +368,56 @@ def block_table(data, block, loss):
 
 
 def tables(data):
-    out = []
-    for block, loss in ORDER:
-        out.append(block_table(data, block, loss)[0])
-    return "\n\n".join(out)
+    return "\n\n".join(block_table(data, block, loss)[0] for block, loss in ORDER)
+
+
+def setting_name(k):
+    return "`sync`" if k[0] == "sync" else f"`{k[0]}` eta {k[1]}"
+
+
+def decision(data=None):
+    """The table a user reads before a run: rows the trainer's speed, columns the learning rate; in each
+    cell, per loss measured there, the best setting by the rule, its pass@1 at the last budget, and
+    the settings the seeds cannot tell from it."""
+    data = data or read_data()
+    lines = [
+        "| | the preset's lr (6e-5) | 4x (2.4e-4) |",
+        "|---|---|---|",
+    ]
+    for speed, row in (("gen-slower", "generation is the slower side"), ("train-slower", "training is")):
+        cells = []
+        for lr in LR:
+            block = next((b for b, (sp, r, _) in BLOCKS.items() if (sp, r) == (speed, lr)), None)
+            if block is None:
+                cells.append("not in the grid")
+                continue
+            said_here = []
+            for loss in BLOCKS[block][2]:
+                text, best = block_table(data, block, loss)
+                if best is None:
+                    said_here.append(f"`{loss}`: {text.strip('()').split(': ', 1)[1]}")
+                    continue
+                top, same = best
+                t = str(data["budgets"][block][-1])
+                acc = statistics.mean(r["acc"][t] for r in cells_of(data, block, loss, top))
+                others = ", ".join(setting_name(k) for k in same if k != top) or "none"
+                said_here.append(f"`{loss}`: {setting_name(top)}, {acc:.3f}; cannot tell from: {others}")
+            cells.append("<br>".join(said_here))
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cells_of(data, block, loss, setting):
+    return cells(data["runs"], block, loss, *setting)
+
+
+def block_text(block, loss):
+    return block_table(read_data(), block, loss)[0]
+
+
+TABLES = {f"frontier-{b}-{loss}": functools.partial(block_text, b, loss) for b, loss in ORDER} | {
+    "frontier-decision": decision
+}
 
 
 def figure(data, path):
@@ -421,7 +469,9 @@ def main():
     data = read_data()
     if args.figure:
         print("figure:", figure(data, os.path.join(ROOT, "docs", "frontier.png")))
-    print(tables(data))
+    print(tables(data) + "\n\n" + decision(data))
+    for page, name in marked.write(TABLES):
+        print(f"wrote {name} into {page}", file=sys.stderr)
 
 
 if __name__ == "__main__":

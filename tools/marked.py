@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PAGES = ("README.md", "docs/course.md", "RESULTS.md")
-TOOLS = ("course", "stress")  # tools/<name>.py, each with TABLES; its data is results/<name>.jsonl
+TOOLS = ("course", "stress", "frontier")  # tools/<name>.py, each with TABLES; its data is results/<name>.jsonl
 # a block: its opening line, its text (lines, possibly none), its closing line
 BLOCK = re.compile(r"^<!-- table: ([\w.-]+) -->\n(.*?)^<!-- end -->$", re.M | re.S)
 

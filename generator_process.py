@@ -31,6 +31,8 @@ from ranks import weight_specs  # what a push sends first
 
 SYNC_HOST = "127.0.0.1"  # the weight group's rendezvous: the engines run on trainer rank 0's machine
 START_TIMEOUT_S = 900  # for the engines to start (a model download, vLLM's warm-up), before the run stops
+WEIGHT_GROUP_TIMEOUT_S = 3600  # the weight group's own timeout: above every bound of ours (init_weight_group)
+POLL_S = 0.001  # how often a wait on the weight group looks (wait): torch's blocking NCCL wait polls every 1 ms
 
 # -----------------------------------------------------------------------------
 # weight sync: trainer side (rank 0) and vLLM worker side (ranks 1..N)
@@ -41,12 +43,50 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
     stateless helper so it leaves torch.distributed's global state (vLLM's own, and the
     trainer ranks' under torchrun) alone. Rank 0 hosts the rendezvous store on a socket
     it bound itself (no race for the port, and no torchrun agent store: see
-    spawn_with_env)."""
+    spawn_with_env). Its timeout is explicit: the helper's default is the backend's (NCCL
+    10 min, gloo 30 min), and a push's join may wait as long as its stall bound (drain; 1460 s
+    measured during the CPU warm-up), past which NCCL's watchdog would abort the process
+    before our watchdog could name the engine. WEIGHT_GROUP_TIMEOUT_S (1 h) is above our
+    bounds, so wait() reports first; it also bounds forming the group (an engine that fails
+    while the group forms holds the trainer that long)."""
+    from datetime import timedelta
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size=world_size, backend=backend, listen_socket=listen_socket
+    group = stateless_init_torch_distributed_process_group(
+        host,
+        port,
+        rank,
+        world_size=world_size,
+        backend=backend,
+        listen_socket=listen_socket,
+        timeout=timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S),
     )
+    return nccl_wait_test_hook(group)
+
+
+def wait(group, work, check):
+    """Hold this thread until `work`, a collective of the weight group, has completed, on
+    every backend. NCCL's work.wait() does not block the CPU: it makes the current stream wait
+    for the collective and returns (ProcessGroupNCCL.hpp, WorkNCCL::wait; it blocks only under
+    TORCH_NCCL_BLOCKING_WAIT), and a dead peer does not fail an NCCL collective: it hangs until
+    the group's timeout, when NCCL's watchdog aborts the process without a word of ours. So:
+    poll is_completed() every POLL_S and, between polls, check(), which raises when a peer is
+    gone (the trainer's: an engine process exited; an engine's: its trainer did). Then the
+    group is aborted (NCCL: its communicators, which no collective queued on the dead peer
+    would leave; gloo has nothing to abort, its collective failed with "Connection closed by
+    peer") and the error goes to the caller, which reports it as it did gloo's. A stuck
+    peer is the trainer's push watchdog's (GeneratorHandle.push_stalled): it kills the engines
+    that are late, and the check sees them gone. Once completed, work.wait() raises gloo's
+    error, or on NCCL orders the current stream after the collective, so what the CPU reads
+    next from that stream (tolist() synchronizes it) is what arrived."""
+    while not work.is_completed():
+        try:
+            check()
+        except RuntimeError:
+            group.abort()
+            raise
+        time.sleep(POLL_S)
+    work.wait()
 
 
 def checksum(t):
@@ -76,23 +116,26 @@ def checksum(t):
     return words.view(2, -1).sum(1, dtype=torch.int32)
 
 
-def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
+def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
     """Once every engine has joined the push (an allreduce: it completes when the last
-    one arrives), post a broadcast of every tensor from rank 0 and the acknowledgement
-    (an allreduce of the versions the workers load, which they add once every tensor has
-    arrived) without waiting for them: the process group moves them on its own threads
-    (gloo) or stream (NCCL) while the trainer goes on. A tensor posted is held until it
-    has gone out: past `budget` bytes in flight (PUSH_SEND_BYTES; preflight.memory_plan),
-    the trainer waits for the oldest. Returns (done, finish): done() says whether the ack
-    is in, finish() waits for it and returns (the ack: the versions and the checksums of
-    what arrived, summed over the engines; the checksum of what was sent, as it was when
-    it was posted). Every tensor sent must stay unchanged until then: with one trainer
-    rank and the generator's dtype they are the parameters themselves, which the next
-    optimizer step overwrites; a change that went out shows as checksums that differ."""
+    one arrives; drain's wait, which this holds the trainer for), post a broadcast of every
+    tensor from rank 0 and the acknowledgement (an allreduce of the versions the workers
+    load, which they add once every tensor has arrived) without waiting for them: the
+    process group moves them on its own threads (gloo) or stream (NCCL) while the trainer
+    goes on. A tensor posted is held until it has gone out: past `budget` bytes in flight
+    (PUSH_SEND_BYTES; preflight.memory_plan), the trainer waits for the oldest (the CPU
+    waits, so on NCCL too at most the budget is queued, and the next step's forward is not
+    queued behind the rest of the push). Every wait is wait()'s, with `check` (raises when a
+    peer is gone). Returns (done, finish): done() says whether the ack is in, finish() waits
+    for it and returns (the ack: the versions and the checksums of what arrived, summed over
+    the engines; the checksum of what was sent, as it was when it was posted). Every tensor
+    sent must stay unchanged until then: with one trainer rank and the generator's dtype
+    they are the parameters themselves, which the next optimizer step overwrites; a change
+    that went out shows as checksums that differ."""
     import collections
     import torch
 
-    group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # WeightReceiver: "all here"
+    wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)  # "all here"
     works, held = collections.deque(), 0  # (bytes, work) in flight; their bytes
     sent = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor, added up
     for t in tensors:
@@ -100,7 +143,7 @@ def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
         size = t.numel() * t.element_size()
         while works and held + size > budget:
             n, work = works.popleft()
-            work.wait()
+            wait(group, work, check)
             held -= n
         sent += checksum(t)
         works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
@@ -110,7 +153,7 @@ def send_weights(group, tensors, device, budget=PUSH_SEND_BYTES):
 
     def finish():
         for _, work in works:
-            work.wait()
+            wait(group, work, check)
         return ack.tolist(), sent.tolist()
 
     return works[-1][1].is_completed, finish
@@ -136,9 +179,20 @@ class WeightReceiver:
     """vLLM worker extension (`worker_extension_cls`): these methods run inside the
     vLLM worker, called through `engine.collective_rpc(name, args)`."""
 
-    def init_weight_group(self, host, port, rank, world_size, backend):
+    def init_weight_group(self, host, port, rank, world_size, backend, trainer):
+        """Join the weight group; `trainer`, the trainer's pid, is this process's parent (the
+        worker runs in the generator process: VLLM_ENABLE_V1_MULTIPROCESSING=0, one device per
+        engine), which the waits watch (wait)."""
+        if os.getppid() != trainer:
+            raise RuntimeError(f"vLLM's worker runs outside the generator process (its parent {os.getppid()})")
         self.weight_group = init_weight_group(host, port, rank, world_size, backend)
         self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
+        self.trainer = trainer
+
+    def check_trainer(self):
+        """For wait(): raise once the trainer is gone (this process was handed to another parent)."""
+        if os.getppid() != self.trainer:
+            raise RuntimeError(f"the trainer (pid {self.trainer}) is gone")
 
     def receive_weights(self, version, specs, ahead_bytes):
         """Join the push, then receive every tensor into a buffer of its own, the broadcasts
@@ -155,9 +209,9 @@ class WeightReceiver:
         import torch
 
         device = buffer_device(self.weight_backend, self.device)
-        group = self.weight_group
-        group.allreduce(torch.zeros((), dtype=torch.int64, device=device)).wait()  # all engines here
-        joined = time.time() if group.size() > 2 else None
+        group, check = self.weight_group, self.check_trainer
+        wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)  # all engines here
+        joined = time.time() if group.size() > 2 else None  # when the last one came (wait: not when posted)
         # The engine's memory holds no second copy of the model: vLLM's layerwise reload keeps
         # a received tensor only until its module (q+k+v, gate+up, an embedding) is complete,
         # then copies it in place and lets it go (vllm/model_executor/model_loader/reload/
@@ -190,17 +244,15 @@ class WeightReceiver:
         def take():
             nonlocal ahead, done
             name, t, work = posted.popleft()
-            try:
-                work.wait()
-            except RuntimeError as e:  # a dead trainer or engine: "Connection closed by peer"
+            try:  # the CPU waits until the bytes are here (not only the stream), so `ahead` is true
+                wait(group, work, check)
+            except RuntimeError as e:  # a dead trainer or engine: "Connection closed by peer", or check's
                 # vLLM would put the old tensors back into the layers it got nothing for and
                 # build the half-received ones from what arrived: never step on that
                 raise RuntimeError(
                     f"the push of v{version} broke after {done} of {len(specs)} tensors; "
                     "this engine's weights are half loaded, so it stops"
                 ) from e
-            if t.is_cuda:  # NCCL's wait() only orders the streams: hold the CPU until the bytes are here
-                torch.cuda.current_stream().synchronize()  # (and the loads queued before), so `ahead` is true
             ahead -= t.numel() * t.element_size()
             done += 1
             got.add_(checksum(t))  # what arrived, before vLLM's loader takes it
@@ -212,10 +264,10 @@ class WeightReceiver:
         # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
         # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
         # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
-        self.reload_weights(weights_iterator=received())
+        self.reload_weights(weights_iterator=die_test_hook(version, specs, received(), "ENGINE_DIES_IN_PUSH"))
         if done < len(specs):  # vLLM's loader stopped taking tensors: some layers were not loaded
             raise RuntimeError(f"vLLM loaded {done} of the {len(specs)} tensors of v{version}; this engine stops")
-        ack[0].wait()
+        wait(group, ack[0], check)
         return joined
 
 
@@ -422,7 +474,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
     )
     engine.collective_rpc(
         "init_weight_group",
-        args=(SYNC_HOST, cfg["sync_port"], 1 + gen.engine_id, 1 + cfg.get("engines", 1), cfg["sync_backend"]),
+        args=(SYNC_HOST, cfg["sync_port"], 1 + gen.engine_id, 1 + cfg.get("engines", 1), cfg["sync_backend"], trainer),
     )
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
     idle, steps, recent = False, 0, collections.deque(maxlen=256)  # recent: engine step times, s
@@ -495,11 +547,13 @@ def stall_test_hook(kind, n, engine):
             time.sleep(3600)
 
 
-def die_test_hook(version, specs, tensors):
-    """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_DIE_IN_PUSH=V in the environment
-    the trainer kills itself (-9) once it has sent half the tensors of the push of version
-    V, as a trainer lost halfway through a push."""
-    if version != int(os.environ.get("INFLIGHT_TEST_DIE_IN_PUSH", 0)):
+def die_test_hook(version, specs, tensors, who="DIE_IN_PUSH"):
+    """TEST HOOK (test_reliability.py, test_generator.py): with INFLIGHT_TEST_DIE_IN_PUSH=V in
+    the environment the trainer kills itself (-9) once it has sent half the tensors of the push
+    of version V, as a trainer lost halfway through a push; with INFLIGHT_TEST_ENGINE_DIES_IN_PUSH=V
+    (who="ENGINE_DIES_IN_PUSH", WeightReceiver.receive_weights) the engine does, once it has
+    received half of them."""
+    if version != int(os.environ.get(f"INFLIGHT_TEST_{who}", 0)):
         return tensors
 
     def halfway():
@@ -511,6 +565,47 @@ def die_test_hook(version, specs, tensors):
             yield t
 
     return halfway()
+
+
+class NcclWaits:
+    """TEST HOOK (nccl_wait_test_hook): a gloo group whose works behave as NCCL's do on a GPU."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def broadcast(self, t, root):
+        return NcclWork(self.group.broadcast(t, root=root))
+
+    def allreduce(self, t):
+        return NcclWork(self.group.allreduce(t))
+
+    def __getattr__(self, name):  # size(), rank(), abort(): gloo's
+        return getattr(self.group, name)
+
+
+class NcclWork:
+    """A gloo work as NCCL's on a GPU: wait() without a timeout returns at once (NCCL's makes
+    the current stream wait for the collective and returns: ProcessGroupNCCL.hpp, WorkNCCL::wait),
+    and a collective broken by a dead peer never completes (gloo's fails at once with "Connection
+    closed by peer"; NCCL's hangs until the group's timeout, when NCCL's watchdog aborts the
+    process). Only is_completed() says when the bytes are here."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def is_completed(self):
+        return self.work.is_completed() and self.work.exception() is None
+
+    def wait(self, timeout=None):
+        return True if timeout is None else self.work.wait(timeout)
+
+
+def nccl_wait_test_hook(group):
+    """TEST HOOK (test_generator.py, test_reliability.py): with INFLIGHT_TEST_NCCL_WAITS=1 in
+    the environment (the trainer's, which its engines inherit) the weight group's works
+    behave as NCCL's do on a GPU (NcclWork): a wait that waits and a dead peer that is noticed
+    must come from the code that waits, as they must on a GPU."""
+    return NcclWaits(group) if os.environ.get("INFLIGHT_TEST_NCCL_WAITS") else group
 
 
 # -----------------------------------------------------------------------------
@@ -610,6 +705,7 @@ class GeneratorHandle:
         self.stall_report = None
         self.send_budget = PUSH_SEND_BYTES  # bytes a push may hold in flight (send_weights)
         self.pending = None  # the push in flight: (done, finish, its watchdog) (push with wait=False)
+        self.broke = False  # a push broke (push_broke): engines still in it wait on a dead peer
         infos = {}
         while len(infos) < self.n:
             if (msg := self.get(timeout=START_TIMEOUT_S)) is None:
@@ -769,6 +865,12 @@ class GeneratorHandle:
         self.stall_report = "\n".join(reports)
         return self.stall_report
 
+    def check_engines(self):
+        """For wait(): raise once an engine process has exited (a dead peer never fails an NCCL
+        collective; push_broke names it)."""
+        if any(not p.is_alive() for p in self.procs):
+            raise RuntimeError("an engine of the weight group exited")
+
     def push_stalled(self, silent_s):
         """The push watchdog: the engines that have not joined this push (they never reached
         the load: stuck, or still draining a stuck answer) are stopped, and named; if every
@@ -808,7 +910,11 @@ class GeneratorHandle:
         try:
             self.pending = (
                 *send_weights(
-                    self.group, die_test_hook(self.version, specs, tensors), self.transfer_device, self.send_budget
+                    self.group,
+                    die_test_hook(self.version, specs, tensors),
+                    self.transfer_device,
+                    self.check_engines,
+                    self.send_budget,
                 ),
                 watchdog,
             )
@@ -849,6 +955,7 @@ class GeneratorHandle:
 
     def push_broke(self, watchdog, e):
         """A dead peer breaks the broadcast: say why it died."""
+        self.broke = True
         watchdog.cancel()
         watchdog.join()  # a report being written: wait for it
         if self.stall_report:
@@ -863,7 +970,9 @@ class GeneratorHandle:
             if proc.is_alive():
                 q.put(("stop",))
         for proc in self.procs:
-            proc.join(timeout=10)
+            # after a broken push an engine may still wait in it (on NCCL, for a dead peer, until the
+            # group's timeout): it reads no "stop", so it is killed at once instead of after 10 s
+            proc.join(timeout=0 if self.broke else 10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -57,6 +57,35 @@ def test_killed_generator_is_noticed_fast():
     assert not gen.procs[0].is_alive()
 
 
+def test_push_with_nccl_waits(monkeypatch):
+    """The weight group's works made to behave as NCCL's do on a GPU (the test hook
+    generator_process.nccl_wait_test_hook): wait() returns at once, and a collective a dead
+    peer broke never completes. A push returns once the engine has joined it (drain: after its
+    answers in flight finished; train.py's sync_s), settle() gets the engine's acknowledgement
+    and checksums, and the engine samples under the new version; the engine killed halfway
+    through receiving the next push (INFLIGHT_TEST_ENGINE_DIES_IN_PUSH) is GeneratorDied within
+    30 s, as it is with gloo's waits. (The waits as they were, wait() trusted to block, failed
+    here: settle() read an acknowledgement not yet written, "versions summing to 0".)"""
+    monkeypatch.setenv("INFLIGHT_TEST_NCCL_WAITS", "1")
+    monkeypatch.setenv("INFLIGHT_TEST_ENGINE_DIES_IN_PUSH", "2")
+    gen, cfg = start("drain", "--group-size", "2", "--prompts-per-step", "2", "--max-lag", "0")
+    try:
+        collect(gen, 1)  # the others are in flight: drain finishes them before it joins
+        state = hf_model(cfg).state_dict()
+        assert gen.push(state, wait=False) == 1
+        assert gen.joined[0].value == 1  # the push returned after the engine joined it
+        gen.settle()  # the acknowledgement: version 1 and the checksums of what arrived
+        assert collect(gen, 4)[-1]["versions"].tolist()[0] == 1  # 3 of v0 drained, then v1's
+        t0 = time.time()
+        with pytest.raises(GeneratorDied, match="died during the weight broadcast"):
+            gen.push(state, wait=False)
+            gen.settle()
+        assert time.time() - t0 < 30
+    finally:
+        gen.stop()
+    assert not gen.procs[0].is_alive()
+
+
 @pytest.mark.fast
 def test_process_admission_bound_by_hand():
     """ProcessGenerator.may_admit, the generator process's bound: version 3 of a run resumed

@@ -368,13 +368,19 @@ def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
     assert not session_left(proc.pid)
 
 
-def test_a_push_cut_halfway_stops_the_engine(tmp_path):
+# the weight group's waits as they are on CPU (gloo's: wait() blocks, a dead peer fails the collective),
+# and as NCCL's are on a GPU (generator_process.nccl_wait_test_hook): the same reports within the same bounds
+WAITS = [pytest.param({}, id="gloo"), pytest.param({"INFLIGHT_TEST_NCCL_WAITS": "1"}, id="nccl-waits")]
+
+
+@pytest.mark.parametrize("waits", WAITS)
+def test_a_push_cut_halfway_stops_the_engine(tmp_path, waits):
     """The trainer killed (-9) once it has sent half the tensors of the push of v1 (the test
     hook): the engine, its layers half loaded (vLLM would put the old tensors back into the
     layers that got nothing), does not go back to sampling: the push fails there, says so,
     and the process ends. (An engine that took the broken push as complete would exit
     quietly once it saw its trainer gone; one that kept waiting would hold stderr open.)"""
-    env = dict(os.environ, INFLIGHT_TEST_DIE_IN_PUSH="1")
+    env = dict(os.environ, INFLIGHT_TEST_DIE_IN_PUSH="1", **waits)
     proc = start_train("--out", str(tmp_path / "run"), "--steps", "3", *SMALL, env=env)
     out, err = proc.communicate(timeout=600)  # returns once the generator, which shares stderr, has exited
     assert proc.returncode == -signal.SIGKILL, (out[-2000:], err[-3000:])
@@ -383,10 +389,11 @@ def test_a_push_cut_halfway_stops_the_engine(tmp_path):
     assert not session_left(proc.pid)
 
 
-def test_push_watchdog_names_the_engine_that_never_joined(tmp_path):
+@pytest.mark.parametrize("waits", WAITS)
+def test_push_watchdog_names_the_engine_that_never_joined(tmp_path, waits):
     """Two engines; engine 1 hangs before it joins the push of v1 (the test hook) while
     engine 0 waits in the push for it: the watchdog stops engine 1 and names it alone."""
-    env = dict(os.environ, INFLIGHT_TEST_STALL_AT_PUSH="1", INFLIGHT_TEST_STALL_ENGINE="1")
+    env = dict(os.environ, INFLIGHT_TEST_STALL_AT_PUSH="1", INFLIGHT_TEST_STALL_ENGINE="1", **waits)
     proc = start_train(
         "--out", str(tmp_path / "run"), "--steps", "3", "--stall-s", "10", "--engines", "2", *SMALL, env=env
     )

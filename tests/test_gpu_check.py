@@ -15,20 +15,11 @@ import pytest
 import torch
 
 from tools import gpu_check
+from tools.bench_train import QWEN3
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
-QWEN3_06B = dict(  # Qwen/Qwen3-0.6B's config.json, as far as the plan reads it (written here, not imported)
-    vocab_size=151936,
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    tie_word_embeddings=True,
-)
-QWEN3_4B = dict(QWEN3_06B, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, intermediate_size=9728)
+QWEN3_06B, QWEN3_4B = QWEN3["Qwen3-0.6B"], QWEN3["Qwen3-4B"]  # their config.json (tools/bench_train.py)
 
 
 def meta_model(**arch):

@@ -10,6 +10,7 @@ test_sync_is_exact (helpers.check_sync_is_exact, part 3), with a real engine.
 import torch
 
 from generator_process import checksum
+from tools.bench_train import QWEN3
 from tools.bench_sync import guard_ops  # what bench_sync.py prints per push, counted the same way
 
 OPS_PER_TENSOR = 5  # issue 58: a few per tensor, not ~6 per 2^16 elements (~70,000 per Qwen3-0.6B push)
@@ -20,17 +21,7 @@ def qwen3_06b_state_dict():
     the tied lm_head.weight included, in bf16."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    )
+    cfg = AutoConfig.for_model("qwen3", **QWEN3["Qwen3-0.6B"])  # its config.json (tools/bench_train.py)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).state_dict()
 

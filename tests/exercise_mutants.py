@@ -174,10 +174,16 @@ MUTANTS = {
         (
             "answers, not groups",
             "engine.py",
-            '* self.cfg["prompts_per_step"]\n',
-            '* self.cfg["prompts_per_step"] * self.cfg["group_size"]\n',
+            '* self.cfg["prompts_per_step"] + self.budget_offset\n',
+            '* self.cfg["prompts_per_step"] * self.cfg["group_size"] + self.budget_offset\n',
         ),
         ("<= the budget", "engine.py", "self.next_group < budget", "self.next_group <= budget"),
+        (
+            "the offset left out",
+            "engine.py",
+            ' * self.cfg["prompts_per_step"] + self.budget_offset\n',
+            ' * self.cfg["prompts_per_step"]\n',
+        ),
         (
             "no room for the group itself",
             "engine.py",
@@ -191,26 +197,26 @@ MUTANTS = {
             "            True\n            and self.next_group < budget\n            and len(self.inflight)",
         ),
     ],
-    # not an exercise: the generator process's bound (generator_process.ProcessGenerator.may_admit), whose
-    # terms the max_lag exercise once held; graded by its own by-hand test (CHEAP below)
+    # not an exercise: what the generator process adds to the max_lag exercise's bound
+    # (generator_process.ProcessGenerator's budget_offset and queue); graded by its own by-hand test (CHEAP below)
     "process_admission": [
         (
             "rejected groups not counted",
             "generator_process.py",
-            '* self.cfg["prompts_per_step"] + self.rejected',
-            '* self.cfg["prompts_per_step"]',
+            'self.start_version * self.cfg["prompts_per_step"] + self.rejected',
+            'self.start_version * self.cfg["prompts_per_step"]',
         ),
         (
             "versions counted from 0 (resume)",
             "generator_process.py",
-            "versions = self.version - self.start_version +",
-            "versions = self.version +",
+            'return self.start_group - self.start_version * self.cfg["prompts_per_step"] + self.rejected',
+            "return self.start_group + self.rejected",
         ),
         (
             "groups counted from 0 (resume)",
             "generator_process.py",
-            "budget = self.start_group + versions",
-            "budget = versions",
+            "return self.start_group - self.start_version",
+            "return -self.start_version",
         ),
         (
             "outbox full at queue_size + 1",

@@ -100,10 +100,13 @@ def test_recompute_switch_by_hand():
 
 def generator(**kw):
     """An engine.Generator with the state may_admit reads, and every other attribute its
-    __init__ sets (so any reading of the task finds what a real one has), without an engine:
-    version 3, max_lag 1, 2 groups a step (budget (3 + 1 + 1) x 2 = 10), group 8 next."""
+    __init__ sets (so any reading of the task finds what a real one has), without an engine
+    (the task gives the KV cache's room as kv_answers): version 3, max_lag 1, 2 groups a step
+    (budget (3 + 1 + 1) x 2 = 10), group 8 next."""
     gen = engine.Generator.__new__(engine.Generator)
-    cfg = dict(max_lag=1, prompts_per_step=2, group_size=4, max_num_seqs=8, temperature=1.0, max_new_tokens=8)
+    cfg = dict(
+        max_lag=1, prompts_per_step=2, group_size=4, max_num_seqs=8, temperature=1.0, max_new_tokens=8, max_model_len=64
+    )
     gen.__dict__.update(
         cfg=dict(cfg, **kw.pop("cfg", {})),
         engine=None,
@@ -133,8 +136,9 @@ def may_admit(**kw):
 
 def test_max_lag_admission_bound_by_hand():
     """Budget (3 + 1 + 1) x 2 = 10 groups: group 9 may start, 10 may not; each term moves
-    it (the version, max_lag + 1, the groups a step)."""
+    it (the version, max_lag + 1, the groups a step, budget_offset)."""
     assert may_admit(next_group=9) and not may_admit(next_group=10)
+    assert may_admit(next_group=12, budget_offset=3) and not may_admit(next_group=13, budget_offset=3)  # budget 13
     assert may_admit(next_group=11, version=4) and not may_admit(next_group=12, version=4)  # budget 12
     lag0 = dict(cfg=dict(max_lag=0))
     assert may_admit(next_group=7, **lag0) and not may_admit(next_group=8, **lag0)  # budget 8

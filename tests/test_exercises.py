@@ -149,6 +149,31 @@ def test_no_line_make_removes_stands_in_the_copy(name, tmp_path):
         assert not (found := [x for x in removed if x in lines]), f"the copy of {name} holds {n}'s {found}"
 
 
+def test_a_written_copy_runs_its_lesson(tmp_path):
+    """The copy of the first exercise (advantages: every later function exercise has its
+    stand-in there, tools/exercise.py's EXERCISES), the project's answer written into it: the
+    copy's own lesson.py --preset long runs 4 steps end to end with the copy's .venv, as
+    EXERCISE.md tells the student (--eval-every 0: the two 512-problem evaluations would be
+    most of its time). A stub left in a later exercise's place raises NotImplementedError at
+    the first admission, loss or switch. The other exercises' copies run the same way (by
+    hand: issue 60's note)."""
+    import json
+
+    from tools.exercise import restore
+
+    copy, out = tmp_path / "copy", tmp_path / "run"
+    make("advantages", str(copy))
+    assert "lesson.py --preset long" in (copy / "EXERCISE.md").read_text()
+    restore(str(copy), "advantages")  # as if the student had written it
+    flags = ["--preset", "long", "--steps", "4", "--eval-every", "0", "--no-plot", "--out", str(out)]
+    r = subprocess.run(
+        [str(copy / ".venv" / "bin" / "python"), "lesson.py", *flags], cwd=copy, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    steps = [m["step"] for m in map(json.loads, open(out / "metrics.jsonl")) if "loss" in m]
+    assert steps == [1, 2, 3, 4], steps
+
+
 def test_a_course_copy_stubs_every_exercise_and_grades_each_alone(tmp_path):
     """make all: every function exercise stubbed, each graded alone (the others' code is the
     project's during grading): an answer written in it passes its own cheap graders while

@@ -283,6 +283,13 @@ ACCEPTED = {
             "    import torch\n\n    out = []\n    for g in rewards.split(group_size):\n"
             "        out.append((g - g.mean()) / (g.std() + 1e-4))\n    return torch.cat(out)\n",
         ),
+        (
+            "the unbiased std by hand",
+            "grpo.py",
+            "    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)\n",
+            "    d = r - r.mean(1, keepdim=True)\n    std = (d.pow(2).sum(1, keepdim=True) / (group_size - 1)).sqrt()\n"
+            "    return (d / (std + 1e-4)).reshape(-1)\n",
+        ),
     ],
     "loss": [
         (
@@ -305,7 +312,40 @@ ACCEPTED = {
             "    s = torch.sort(m2.double().flatten(), descending=True).values\n",
         ),
     ],
+    "record": [
+        (
+            "the rebuild from prefill_tokens, kv_version set after the note",
+            "engine.py",
+            "            self.kv_version = version\n"
+            "            if self.tokens:  # prompt + partial answer prefilled again (counted when it runs, so once)\n"
+            "                rebuilt = len(self.prompt_ids) + len(self.tokens)\n"
+            "                self.recomputed += rebuilt\n"
+            "            self.note_prefill(t0, t1, version)\n",
+            "            if self.tokens:\n"
+            "                rebuilt = self.prefill_tokens()\n"
+            "                self.recomputed += rebuilt\n"
+            "            self.note_prefill(t0, t1, version)\n"
+            "            self.kv_version = version\n",
+        ),
+        (
+            "token by token",
+            "engine.py",
+            "        self.tokens += token_ids\n        self.logprobs += logprobs\n"
+            "        self.versions += [version] * n\n        self.stale += [stale] * n\n",
+            "        for t, lp in zip(token_ids, logprobs):\n            self.tokens.append(t)\n"
+            "            self.logprobs.append(lp)\n            self.versions.append(version)\n"
+            "            self.stale.append(stale)\n",
+        ),
+    ],
     "recompute": [
+        (
+            "load before the abort",
+            "regimes.py",
+            "        aborted = gen.abort_all()\n        gen.load_weights(version, weights)\n        for r in aborted:\n"
+            "            r.kv_version = None",
+            "        gen.load_weights(version, weights)\n        aborted = gen.abort_all()\n        for r in aborted:\n"
+            "            r.kv_version = None",
+        ),
         (
             "kv_version reset just after the submit",
             "regimes.py",
@@ -318,6 +358,23 @@ ACCEPTED = {
             "regimes.py",
             "        for r in aborted:\n            r.kv_version = None",
             "        for r in reversed(aborted):\n            r.kv_version = None",
+        ),
+    ],
+    "max_lag": [
+        (
+            "the room counted down",
+            "engine.py",
+            "        return (\n            self.admitting\n            and self.next_group < budget\n"
+            '            and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers\n        )\n',
+            "        room = self.kv_answers - len(self.inflight)\n"
+            '        return self.admitting and budget - self.next_group > 0 and room >= self.cfg["group_size"]\n',
+        ),
+        (
+            "the next group's batch, as the hint counts",
+            "engine.py",
+            "            and self.next_group < budget\n",
+            '            and (self.next_group - self.budget_offset) // self.cfg["prompts_per_step"]\n'
+            '            <= self.version + self.cfg["max_lag"]\n',
         ),
     ],
     "pace": [

@@ -77,9 +77,10 @@ class FakeGenerator:
 
 
 def test_recompute_switch_by_hand():
-    """Abort, load v+1, then submit each answer again, once, in any order, with its tokens,
-    logprobs and versions kept; by the time the switch returns (the engine steps next, nothing
-    runs in between) each has kv_version None, so that record counts the prefill as a rebuild."""
+    """Abort and load v+1 (in either order: nothing steps in between), then submit each answer
+    again, once, in any order, with its tokens, logprobs and versions kept; by the time the
+    switch returns (the engine steps next, nothing runs in between) each has kv_version None,
+    so that record counts the prefill as a rebuild. Returns True."""
     answers = []
     for i in range(2):
         r = engine.Rollout(i, 0, 0, [1, 2], 10, now=0.0)
@@ -87,7 +88,7 @@ def test_recompute_switch_by_hand():
         answers.append(r)
     gen = FakeGenerator(answers)
     assert regimes.Recompute().switch(gen, 1, "w1") is True
-    assert gen.calls[:2] == ["abort", ("load", 1, "w1")], gen.calls
+    assert "abort" in gen.calls[:2] and ("load", 1, "w1") in gen.calls[:2], gen.calls
     submitted = [c[1] for c in gen.calls[2:]]
     assert all(c[0] == "submit" for c in gen.calls[2:]) and sorted(r.sample_id for r in submitted) == [0, 1]
     assert all(r.kv_version is None for r in answers)

@@ -408,13 +408,17 @@ class Generator:
 
     # -- the loop's parts
 
+    budget_offset = 0  # groups the bound admits beyond the lesson's count (ProcessGenerator's: resume, rejected)
+
     def may_admit(self):
         """AReaL's staleness bound: at most (version + max_lag + 1) batches of --prompts-per-step
-        groups admitted. The trainer takes groups in admission order (pool.Pool), so nothing
-        admitted now is consumed more than max_lag versions after the weights that started it:
-        this bounds the *generation* staleness of what is trained. And the KV cache: room for
-        one more group beside the answers in flight (kv_capacity)."""
-        budget = (self.version + self.cfg["max_lag"] + 1) * self.cfg["prompts_per_step"]
+        groups admitted, + budget_offset (0 here; generator_process.ProcessGenerator sets it for a
+        resumed run and the groups the pool rejected). The trainer takes groups in admission order
+        (pool.Pool), so nothing admitted now is consumed more than max_lag versions after the
+        weights that started it: this bounds the *generation* staleness of what is trained. And
+        the KV cache: room for one more group beside the answers in flight (kv_answers, what
+        kv_capacity found it holds)."""
+        budget = (self.version + self.cfg["max_lag"] + 1) * self.cfg["prompts_per_step"] + self.budget_offset
         return (
             self.admitting
             and self.next_group < budget

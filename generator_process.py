@@ -310,19 +310,18 @@ class ProcessGenerator(Generator):
         self.rejected = 0  # groups the trainer's pool rejected since this generator started
         self.stats.update(start_stats or {})  # resume: the run's counters at its checkpoint
 
+    @property
+    def budget_offset(self):
+        """The groups Generator.may_admit's bound admits beyond the lesson's count: a resumed run
+        counts its versions from start_version and its groups from start_group, and a group the
+        pool rejected leaves its place to a new one, so that a generator faster than the trainer
+        keeps the pool above PACE's target."""
+        return self.start_group - self.start_version * self.cfg["prompts_per_step"] + self.rejected
+
     def may_admit(self):
-        """Generator.may_admit's bound, with versions counted from start_version and groups
-        from start_group (a resumed run), and a group the pool rejected leaving its place to a
-        new one, so that a generator faster than the trainer keeps the pool above PACE's
-        target; and only while the queue has room for what is finished (queue_size)."""
-        versions = self.version - self.start_version + self.cfg["max_lag"] + 1
-        budget = self.start_group + versions * self.cfg["prompts_per_step"] + self.rejected
-        return (
-            self.admitting
-            and self.next_group < budget
-            and len(self.outbox) < self.queue_size
-            and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers
-        )
+        """Generator.may_admit (with budget_offset), and only while the queue has room for what
+        is finished (queue_size): the queue's back-pressure."""
+        return super().may_admit() and len(self.outbox) < self.queue_size
 
     def admit(self):
         """Engine i of N starts the groups i, i + N, ...; a group consumed or rejected before

@@ -174,10 +174,16 @@ MUTANTS = {
         (
             "answers, not groups",
             "engine.py",
-            '* self.cfg["prompts_per_step"]\n',
-            '* self.cfg["prompts_per_step"] * self.cfg["group_size"]\n',
+            '* self.cfg["prompts_per_step"] + self.budget_offset\n',
+            '* self.cfg["prompts_per_step"] * self.cfg["group_size"] + self.budget_offset\n',
         ),
         ("<= the budget", "engine.py", "self.next_group < budget", "self.next_group <= budget"),
+        (
+            "the offset left out",
+            "engine.py",
+            ' * self.cfg["prompts_per_step"] + self.budget_offset\n',
+            ' * self.cfg["prompts_per_step"]\n',
+        ),
         (
             "no room for the group itself",
             "engine.py",
@@ -191,26 +197,26 @@ MUTANTS = {
             "            True\n            and self.next_group < budget\n            and len(self.inflight)",
         ),
     ],
-    # not an exercise: the generator process's bound (generator_process.ProcessGenerator.may_admit), whose
-    # terms the max_lag exercise once held; graded by its own by-hand test (CHEAP below)
+    # not an exercise: what the generator process adds to the max_lag exercise's bound
+    # (generator_process.ProcessGenerator's budget_offset and queue); graded by its own by-hand test (CHEAP below)
     "process_admission": [
         (
             "rejected groups not counted",
             "generator_process.py",
-            '* self.cfg["prompts_per_step"] + self.rejected',
-            '* self.cfg["prompts_per_step"]',
+            'self.start_version * self.cfg["prompts_per_step"] + self.rejected',
+            'self.start_version * self.cfg["prompts_per_step"]',
         ),
         (
             "versions counted from 0 (resume)",
             "generator_process.py",
-            "versions = self.version - self.start_version +",
-            "versions = self.version +",
+            'return self.start_group - self.start_version * self.cfg["prompts_per_step"] + self.rejected',
+            "return self.start_group + self.rejected",
         ),
         (
             "groups counted from 0 (resume)",
             "generator_process.py",
-            "budget = self.start_group + versions",
-            "budget = versions",
+            "return self.start_group - self.start_version",
+            "return -self.start_version",
         ),
         (
             "outbox full at queue_size + 1",
@@ -277,6 +283,13 @@ ACCEPTED = {
             "    import torch\n\n    out = []\n    for g in rewards.split(group_size):\n"
             "        out.append((g - g.mean()) / (g.std() + 1e-4))\n    return torch.cat(out)\n",
         ),
+        (
+            "the unbiased std by hand",
+            "grpo.py",
+            "    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)\n",
+            "    d = r - r.mean(1, keepdim=True)\n    std = (d.pow(2).sum(1, keepdim=True) / (group_size - 1)).sqrt()\n"
+            "    return (d / (std + 1e-4)).reshape(-1)\n",
+        ),
     ],
     "loss": [
         (
@@ -299,7 +312,40 @@ ACCEPTED = {
             "    s = torch.sort(m2.double().flatten(), descending=True).values\n",
         ),
     ],
+    "record": [
+        (
+            "the rebuild from prefill_tokens, kv_version set after the note",
+            "engine.py",
+            "            self.kv_version = version\n"
+            "            if self.tokens:  # prompt + partial answer prefilled again (counted when it runs, so once)\n"
+            "                rebuilt = len(self.prompt_ids) + len(self.tokens)\n"
+            "                self.recomputed += rebuilt\n"
+            "            self.note_prefill(t0, t1, version)\n",
+            "            if self.tokens:\n"
+            "                rebuilt = self.prefill_tokens()\n"
+            "                self.recomputed += rebuilt\n"
+            "            self.note_prefill(t0, t1, version)\n"
+            "            self.kv_version = version\n",
+        ),
+        (
+            "token by token",
+            "engine.py",
+            "        self.tokens += token_ids\n        self.logprobs += logprobs\n"
+            "        self.versions += [version] * n\n        self.stale += [stale] * n\n",
+            "        for t, lp in zip(token_ids, logprobs):\n            self.tokens.append(t)\n"
+            "            self.logprobs.append(lp)\n            self.versions.append(version)\n"
+            "            self.stale.append(stale)\n",
+        ),
+    ],
     "recompute": [
+        (
+            "load before the abort",
+            "regimes.py",
+            "        aborted = gen.abort_all()\n        gen.load_weights(version, weights)\n        for r in aborted:\n"
+            "            r.kv_version = None",
+            "        gen.load_weights(version, weights)\n        aborted = gen.abort_all()\n        for r in aborted:\n"
+            "            r.kv_version = None",
+        ),
         (
             "kv_version reset just after the submit",
             "regimes.py",
@@ -312,6 +358,23 @@ ACCEPTED = {
             "regimes.py",
             "        for r in aborted:\n            r.kv_version = None",
             "        for r in reversed(aborted):\n            r.kv_version = None",
+        ),
+    ],
+    "max_lag": [
+        (
+            "the room counted down",
+            "engine.py",
+            "        return (\n            self.admitting\n            and self.next_group < budget\n"
+            '            and len(self.inflight) + self.cfg["group_size"] <= self.kv_answers\n        )\n',
+            "        room = self.kv_answers - len(self.inflight)\n"
+            '        return self.admitting and budget - self.next_group > 0 and room >= self.cfg["group_size"]\n',
+        ),
+        (
+            "the next group's batch, as the hint counts",
+            "engine.py",
+            "            and self.next_group < budget\n",
+            '            and (self.next_group - self.budget_offset) // self.cfg["prompts_per_step"]\n'
+            '            <= self.version + self.cfg["max_lag"]\n',
         ),
     ],
     "pace": [

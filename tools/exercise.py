@@ -10,9 +10,10 @@ written; docs/course.md says how to use them).
 
 `make` copies the project (not .venv, out/ or .git, and no answer: not tests/, not this
 file) into DIR, replaces the body of the exercise's function with `raise
-NotImplementedError(<the exercise, in one line>)`, and so the bodies of the function
-exercises after it in the course's order (their answers would be in the copy), writes
-EXERCISE.md and links this project's .venv into it; a "silent bug" exercise instead
+NotImplementedError(<the exercise, in one line>)`, gives each function exercise after it
+in the course's order a stand-in (their answers would be in the copy; a stand-in runs, is
+not the answer, and EXERCISE.md says what it does: lesson.py runs in the copy once the
+exercise is written), writes EXERCISE.md and links this project's .venv into it; a "silent bug" exercise instead
 changes one line, so that the copy runs and learns but is subtly wrong, to be found from
 the run's own records. `check` runs the exercise's graders, tests of this project's own
 suite, with this venv's Python, on DIR's code in a fresh tree that takes tests/ and tools/
@@ -35,8 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXERCISES = {
     "advantages": dict(
         where=("grpo.py", "advantages"),
-        task="GRPO's advantage: each answer's reward minus its group's mean, over its group's std (+1e-4)",
-        hint="rewards arrive group after group: view them as (groups, group_size), use torch's std (unbiased)",
+        run="",
+        task="GRPO's advantage: each answer's reward minus its group's mean, over its group's std + 1e-4, the "
+        "unbiased std (divided by group_size - 1, torch's default); a group of equal rewards gets 0",
+        hint="rewards arrive group after group: view them as (groups, group_size)",
         graders=[
             "tests/test_train.py::test_advantages_by_hand",
             "tests/test_graders.py::test_advantages_of_a_group_of_two_and_of_equal_rewards",
@@ -45,6 +48,11 @@ EXERCISES = {
     ),
     "loss": dict(
         where=("grpo.py", "loss_tis"),
+        run="",
+        stand_in=(
+            "weights no token: -A log pi, the on-policy loss (--loss none's)",
+            "return loss_none(cfg, logp, old, mu, adv, answer)",
+        ),
         task="token-level truncated importance sampling: w = min(pi/mu, is_cap), detached; per-token loss "
         "-w A log pi; return it and which tokens the cap bound (pi/mu > is_cap)",
         hint="logp is log pi (with a gradient), mu is log mu (from generation); exp of their difference is pi/mu",
@@ -56,6 +64,11 @@ EXERCISES = {
     ),
     "correction": dict(
         where=("grpo.py", "loss_icepop"),
+        run=" --loss icepop",
+        stand_in=(
+            "decoupled PPO with no mismatch weight (--loss ppo's)",
+            "return loss_ppo(cfg, logp, old, mu, adv, answer)",
+        ),
         task="IcePop: decoupled PPO whose mismatch weight k = pi_old/mu is kept inside [icepop_low, icepop_high] "
         "and set to 0 outside; return the per-token loss and which tokens were clipped or masked",
         hint="ppo_clip gives PPO's surrogate against pi_old and where it binds; loss_ppo is one line away",
@@ -67,6 +80,8 @@ EXERCISES = {
     ),
     "m2po": dict(
         where=("grpo.py", "m2po_cutoff"),
+        run=" --loss m2po",
+        stand_in=("masks no token (returns inf)", "import math\n\nreturn math.inf"),
         task="M2PO's mask over a step's tokens, m2 (N,) their (log pi_old/mu)^2: mask the largest, one at a time, "
         "until the mean of those left is below tau (at least one is kept); return the largest value kept (a token "
         "tied with it is kept too), or inf if none is masked",
@@ -79,8 +94,20 @@ EXERCISES = {
     ),
     "record": dict(
         where=("engine.py", "Rollout.record"),
-        task="record a step's tokens: their version, logprobs and stale flag (sampled by `version` reading KV older "
-        "weights wrote); note a prefill (kv_version, recomputed tokens); return the tokens rebuilt",
+        run="",
+        stand_in=(
+            "keeps the tokens, logprobs and versions, flags no token stale, counts no rebuild and notes no provenance "
+            "(answers.jsonl's segments and prefills are empty, plot.py's answer panel too)",
+            "self.kv_version = version if self.kv_version is None else self.kv_version\n"
+            "self.tokens.extend(token_ids)\nself.logprobs.extend(logprobs)\n"
+            "self.versions.extend([version] * len(token_ids))\nself.stale.extend([False] * len(token_ids))\nreturn 0",
+        ),
+        task="record engine step `step`'s tokens on the answer: append their ids, logprobs, `version` and stale flag "
+        "(True when `version` sampled them reading KV that older weights wrote: kv_version < version). If this step "
+        "was a (re)fill (kv_version None): set kv_version, call note_prefill (before the new tokens: it reads the "
+        "partial answer), and, if the answer had tokens already (a rebuild), add prompt + partial answer to "
+        "`recomputed`. Call note_tokens for every step (prefills and segments are the provenance answers.jsonl "
+        "keeps; the grader checks them). Return the tokens rebuilt, prompt included, 0 if none",
         hint="kv_version is None exactly when this step was a (re)fill: then `version` wrote all of the KV",
         graders=[
             "tests/test_graders.py::test_record_by_hand",
@@ -90,8 +117,15 @@ EXERCISES = {
     ),
     "recompute": dict(
         where=("regimes.py", "Recompute.switch"),
-        task="recompute: take the answers out of vLLM, load the new weights, submit each again so one prefill "
-        "under v+1 rebuilds its KV (the partial answer keeps its tokens, logprobs and versions)",
+        run="",
+        stand_in=(
+            "keeps the answers and their KV, as --regime stale does",
+            "return Stale().switch(gen, version, weights)",
+        ),
+        task="recompute: take the answers out of vLLM (gen.abort_all) and load the new weights (gen.load_weights), "
+        "in either order, then submit each again (gen.submit), in any order, so one prefill under v+1 rebuilds its "
+        "KV: the partial answer keeps its tokens, logprobs and versions, and Rollout.record must count the prefill "
+        "as a rebuild; return True",
         hint="Discard.switch is close; what must Rollout.record see to count the rebuild (kv_version)?",
         graders=[
             "tests/test_graders.py::test_recompute_switch_by_hand",
@@ -101,9 +135,17 @@ EXERCISES = {
     ),
     "max_lag": dict(
         where=("engine.py", "Generator.may_admit"),
+        run="",
+        stand_in=(
+            "admits a group only when none is in flight: no lag bound, no KV count, one group at a time",
+            "return self.admitting and not self.inflight",
+        ),
         task="admit a group only if it is trained at most max_lag versions after the weights that start it: "
-        "at most (the version loaded + max_lag + 1) x prompts_per_step groups in all; only while admitting, and "
-        "while the KV cache holds one more group beside the answers in flight",
+        "self.next_group (groups are numbered from 0 in admission order) below (self.version + max_lag + 1) x "
+        "prompts_per_step + self.budget_offset (0 in the lesson; the generator process's resume and rejected "
+        "groups); only while self.admitting; and only while the KV cache, which holds self.kv_answers answers, has "
+        "room for one more group (group_size answers) beside those in flight (self.inflight). max_lag, "
+        "prompts_per_step and group_size are in self.cfg",
         hint="the pool trains groups in admission order: batch b (groups b x P to b x P + P - 1) by step b + 1, "
         "with version b",
         graders=[
@@ -115,6 +157,8 @@ EXERCISES = {
     ),
     "pace": dict(
         where=("pool.py", "reject_stalest"),
+        run=" --pool pace",
+        stand_in=("rejects no group: --pool pace takes groups as fifo does", "return []"),
         task="PACE: reject up to len(pool) - target groups, highest effective staleness first (ties: the group "
         "that completed first), never leaving fewer than n; return them, removed from the pool",
         hint="effective_staleness and _completed are there to use",
@@ -200,12 +244,17 @@ def body_lines(path, qualname):
     return body[0].lineno - 1, body[-1].end_lineno, " " * body[0].col_offset
 
 
-def remove(path, qualname, task):
-    """Replace the body of `qualname` in `path` (its docstring kept) by a NotImplementedError."""
+def set_body(path, qualname, body):
+    """Replace the body of `qualname` in `path` (its docstring kept) by `body` (lines, not indented)."""
     lines = open(path).read().split("\n")
     start, end, indent = body_lines(path, qualname)
-    lines[start:end] = [f"{indent}raise NotImplementedError({('exercise: ' + task)!r})"]
+    lines[start:end] = [indent + x if x else x for x in body.split("\n")]
     open(path, "w").write("\n".join(lines))
+
+
+def remove(path, qualname, task):
+    """Replace the body of `qualname` in `path` (its docstring kept) by a NotImplementedError."""
+    set_body(path, qualname, f"raise NotImplementedError({('exercise: ' + task)!r})")
 
 
 def answer(name):
@@ -238,7 +287,8 @@ def copy_code(src, dest, leave_out=KEPT_BACK):
 
 def later(name):
     """The function exercises after `name` in the course's order (EXERCISES): a copy of `name`
-    holds none of their answers either (make stubs them; check grades with the project's)."""
+    holds none of their answers either (make puts their stand-ins there; check grades with the
+    project's)."""
     names = list(EXERCISES)
     return [n for n in names[names.index(name) + 1 :] if "where" in EXERCISES[n]]
 
@@ -252,22 +302,32 @@ def stub(dest, name):
         replace(os.path.join(dest, ex["silent"][0]), ex["silent"][1], ex["silent"][2])
 
 
+def stand_in(dest, name):
+    """Function exercise `name`'s stand-in in the copy at `dest`: a body that runs and is not
+    the answer (EXERCISES' stand_in), so that an earlier exercise's copy runs lesson.py."""
+    path, qualname = EXERCISES[name]["where"]
+    set_body(os.path.join(dest, path), qualname, EXERCISES[name]["stand_in"][1])
+
+
 def make(name, dest):
     """A student's copy of the project in `dest` with exercise `name` in it, and no answer:
-    not the exercise's code, not a later function exercise's (each stubbed as its own
-    exercise would be), not the tests (graders, references), not this file. name "all":
-    every function exercise stubbed, one tree for a whole course (the silent bugs, which need
-    the rest written, are handed out as their own copies after)."""
+    not the exercise's code, not a later function exercise's (each has its stand-in: code that
+    runs and is not the answer, so that lesson.py runs once the exercise is written), not the
+    tests (graders, references), not this file. name "all": every function exercise stubbed,
+    one tree for a whole course, whose lesson runs once all are written (the silent bugs,
+    which need the rest written, are handed out as their own copies after)."""
     if os.path.exists(dest) and os.listdir(dest):
         sys.exit(f"exercise.py: {dest} exists and is not empty; give a new directory")
     copy_code(ROOT, dest)
-    names = [n for n in EXERCISES if "where" in EXERCISES[n]] if name == ALL else [name, *later(name)]
-    for n in names:
+    functions = [n for n in EXERCISES if "where" in EXERCISES[n]]
+    for n in functions if name == ALL else [name]:
         stub(dest, n)
+    for n in later(name) if name != ALL else ():
+        stand_in(dest, n)
     if os.path.exists(os.path.join(ROOT, ".venv")):  # the project's venv, so that .venv/bin/python runs in the copy
         os.symlink(os.path.realpath(os.path.join(ROOT, ".venv")), os.path.join(dest, ".venv"))
     text = (
-        f"# Exercise {name}\n\n{describe(name)}\n\n{stubbed_text(names[1:] if name != ALL else names)}"
+        f"# Exercise {name}\n\n{describe(name)}\n\n{run_text(name)}"
         f"The graders are not in this copy: from the project, `.venv/bin/python tools/exercise.py check NAME {dest}`.\n"
     )
     open(os.path.join(dest, "EXERCISE.md"), "w").write(text)
@@ -280,15 +340,23 @@ def make(name, dest):
 ALL = "all"  # make all DIR: one course tree
 
 
-def stubbed_text(names):
-    """What EXERCISE.md says of the other exercises stubbed in the copy."""
-    if not names:
-        return ""
-    where = ", ".join(f"`{EXERCISES[n]['where'][1]}` ({n})" for n in names)
+def run_text(name):
+    """What EXERCISE.md says of running the copy: the command, and the stand-ins it runs with."""
+    if name == ALL:
+        return (
+            "Every function exercise is stubbed here: lesson.py runs once all are written (`.venv/bin/python "
+            "lesson.py --preset long`); `check NAME` grades each alone, with the project's code for the others.\n\n"
+        )
+    text = (
+        f"Once it is written, run it here: `.venv/bin/python lesson.py --preset long{EXERCISES[name].get('run', '')}`"
+    )
+    if not later(name):
+        return text + ".\n\n"
+    ins = "".join(f"\n- `{EXERCISES[n]['where'][1]}` ({n}): {EXERCISES[n]['stand_in'][0]}" for n in later(name))
     return (
-        f"Also stubbed here, as exercises of their own: {where}. lesson.py and train.py call some of them, so "
-        "they run in this copy once those are written too; until then, the graders (`check`) test your answer "
-        "with the project's code in their place.\n\n"
+        text + ". The exercises after this one are not written here: each has a stand-in, code that runs and is "
+        "not its answer, so the run's numbers are theirs too (`check` grades your answer with the project's code "
+        f"in their place):{ins}\n\n"
     )
 
 

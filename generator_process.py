@@ -47,8 +47,8 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
     10 min, gloo 30 min), and a push's join may wait as long as its stall bound (drain; 1460 s
     measured during the CPU warm-up), past which NCCL's watchdog would abort the process
     before our watchdog could name the engine. WEIGHT_GROUP_TIMEOUT_S (1 h) is above our
-    bounds, so wait() reports first; it also bounds forming the group (an engine that fails
-    while the group forms holds the trainer that long)."""
+    bounds, so wait() reports first; forming the group, which it bounds too, is watched by
+    GeneratorHandle.form_group."""
     from datetime import timedelta
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
@@ -128,33 +128,58 @@ def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
     queued behind the rest of the push). Every wait is wait()'s, with `check` (raises when a
     peer is gone). Returns (done, finish): done() says whether the ack is in, finish() waits
     for it and returns (the ack: the versions and the checksums of what arrived, summed over
-    the engines; the checksum of what was sent, as it was when it was posted). Every tensor
-    sent must stay unchanged until then: with one trainer rank and the generator's dtype
-    they are the parameters themselves, which the next optimizer step overwrites; a change
-    that went out shows as checksums that differ."""
+    the engines; the checksum of what was sent; the positions of the tensors that changed
+    while the push was in flight).
+
+    Every tensor sent must stay unchanged until finish(): with one trainer rank and the
+    generator's dtype they are the parameters themselves, which the next optimizer step
+    overwrites. The guard has two parts, neither on the trainer's thread beyond a counter:
+    - a change: each tensor's version counter (torch's `_version`, which every in-place op on
+      it or a view of it increments: the optimizer's step, a load_state_dict) is noted as it
+      is posted and compared in finish(). Exact, and free: no byte is read.
+    - what arrived: checksum() of every tensor, read by a thread of its own as the tensors
+      are posted (one read of the model: ~0.07x a raw broadcast on CPU, where gloo moves
+      ~1.3 GB/s; on a GPU its launches), against the engines' checksums of what they
+      received. Read after posting, it may read a tensor before or after it went out; both
+      reads see the same bytes unless the tensor changed in between, which the counter
+      shows. So a push that arrives other than it was sent raises in settle either way."""
     import collections
+    import threading
     import torch
 
     wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)  # "all here"
     works, held = collections.deque(), 0  # (bytes, work) in flight; their bytes
     sent = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor, added up
-    for t in tensors:
-        t = t.to(device).contiguous()
-        size = t.numel() * t.element_size()
-        while works and held + size > budget:
-            n, work = works.popleft()
-            wait(group, work, check)
-            held -= n
-        sent += checksum(t)
-        works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
-        held += size
+    posted, to_read = [], queue.SimpleQueue()  # (tensor, its version counter when posted); the reader's
+
+    def read():  # the checksums, off the trainer's thread (torch's kernels release the GIL)
+        while (t := to_read.get()) is not None:
+            sent.add_(checksum(t))
+
+    reader = threading.Thread(target=read, name="push-checksum", daemon=True)
+    reader.start()
+    try:
+        for t in tensors:
+            t = t.to(device).contiguous()
+            size = t.numel() * t.element_size()
+            while works and held + size > budget:
+                n, work = works.popleft()
+                wait(group, work, check)
+                held -= n
+            posted.append((t, t._version))
+            works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
+            to_read.put(t)
+            held += size
+    finally:
+        to_read.put(None)  # the reader ends: on an error too
     ack = torch.zeros(3, dtype=torch.int64, device=device)  # each engine adds its version and checksums
     works.append((0, group.allreduce(ack)))
 
     def finish():
         for _, work in works:
             wait(group, work, check)
-        return ack.tolist(), sent.tolist()
+        reader.join()
+        return ack.tolist(), sent.tolist(), [i for i, (t, v) in enumerate(posted) if t._version != v]
 
     return works[-1][1].is_completed, finish
 
@@ -471,6 +496,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
             dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens, admit_at_once=gen.kv_answers),
         )
     )
+    stall_test_hook("group", 1, gen.engine_id)
     engine.collective_rpc(
         "init_weight_group",
         args=(SYNC_HOST, cfg["sync_port"], 1 + gen.engine_id, 1 + cfg.get("engines", 1), cfg["sync_backend"], trainer),
@@ -536,7 +562,8 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
 def stall_test_hook(kind, n, engine):
     """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_STALL_AT_STEP=N in the
     environment the generator hangs forever before its N-th engine step, with
-    INFLIGHT_TEST_STALL_AT_PUSH=V before it joins the push of version V, alive and
+    INFLIGHT_TEST_STALL_AT_PUSH=V before it joins the push of version V, with
+    INFLIGHT_TEST_STALL_AT_GROUP=1 before it joins the weight group, alive and
     silent, as a stuck engine or a deadlocked worker would; with
     INFLIGHT_TEST_STALL_ENGINE=i, only engine i does."""
     if n == int(os.environ.get(f"INFLIGHT_TEST_STALL_AT_{kind.upper()}", 0)) and os.environ.get(
@@ -703,7 +730,7 @@ class GeneratorHandle:
         self.last_msg, self.last_event = [(time.time(), "nothing yet")] * self.n, [None] * self.n
         self.stall_report = None
         self.send_budget = PUSH_SEND_BYTES  # bytes a push may hold in flight (send_weights)
-        self.pending = None  # the push in flight: (done, finish, its watchdog) (push with wait=False)
+        self.pending = None  # the push in flight: (done, finish, its watchdog, specs) (push with wait=False)
         self.broke = False  # a push broke (push_broke): engines still in it wait on a dead peer
         infos = {}
         while len(infos) < self.n:
@@ -713,9 +740,38 @@ class GeneratorHandle:
             infos[msg[1]["engine"]] = msg[1]
         # the KV cache's size (preflight.check_kv_plan): the smallest engine's
         self.engine_info = min(infos.values(), key=lambda info: info["admit_at_once"])
-        self.group = init_weight_group(
-            SYNC_HOST, cfg["sync_port"], 0, 1 + self.n, cfg["sync_backend"], listen_socket=listen
-        )
+        self.group = self.form_group(listen)
+
+    def form_group(self, listen):
+        """The weight group, formed on a thread while this one watches the engines as wait()
+        watches a push: init_weight_group returns once every engine's worker has joined, or
+        after the group's own timeout (1 h). An engine that exits first ends the run with its
+        traceback (died); one alive that has not joined within the stall bound, with its stack
+        (stalled)."""
+        import threading
+
+        made = []
+
+        def form():
+            try:
+                made.append(
+                    init_weight_group(SYNC_HOST, self.cfg["sync_port"], 0, 1 + self.n, self.cfg["sync_backend"], listen)
+                )
+            except Exception as e:  # raised below, on the trainer's thread
+                made.append(e)
+
+        former = threading.Thread(target=form, name="weight-group", daemon=True)
+        former.start()
+        t0, bound = time.time(), self.stall_bound()
+        while former.is_alive():
+            former.join(POLL_S * 100)
+            if dead := [i for i, p in enumerate(self.procs) if not p.is_alive()]:
+                self.died(dead[0], " while the weight group formed")
+            if former.is_alive() and time.time() - t0 > bound:
+                raise GeneratorDied(self.stop_stalled(bound, "not in the weight group"))
+        if isinstance(made[0], Exception):
+            raise made[0]
+        return made[0]
 
     def name(self, i):
         return "generator" if self.n == 1 else f"generator engine {i}"
@@ -916,6 +972,7 @@ class GeneratorHandle:
                     self.send_budget,
                 ),
                 watchdog,
+                specs,
             )
         except RuntimeError as e:
             self.push_broke(watchdog, e)
@@ -933,9 +990,9 @@ class GeneratorHandle:
         if not self.pending:
             return 0.0
         t0 = time.time()
-        _, finish, watchdog = self.pending
+        _, finish, watchdog, specs = self.pending
         try:
-            (held, *arrived), sent = finish()
+            (held, *arrived), sent, changed = finish()
         except RuntimeError as e:
             self.push_broke(watchdog, e)
         finally:
@@ -944,6 +1001,11 @@ class GeneratorHandle:
         if held != self.n * self.version:
             raise RuntimeError(
                 f"weight sync: the engines acknowledged versions summing to {held}, not {self.n} x v{self.version}"
+            )
+        if changed:  # an in-place op on a tensor in flight: settle() must come before the optimizer step
+            raise RuntimeError(
+                f"weight sync: {len(changed)} tensor(s) of the push for v{self.version} changed before it was "
+                f"acknowledged ({specs[changed[0]][0]} first): call settle() before anything writes the weights"
             )
         if arrived != [self.n * x for x in sent]:  # every engine received every bit the trainer sent
             raise RuntimeError(

@@ -278,29 +278,38 @@ def check_sync_is_exact(model_args=(), tol=1e-3, posted=True):
                 assert (ref - s["logprobs"]).abs().max() < tol
                 assert s["versions"].tolist() == [version] * len(greedy)
 
-        # 3. the check can fail: a tensor changes after it was posted and before it went out.
-        # One bit of it: the sign of the first tensor's second element, flipped once the
-        # trainer's checksum has read it and before its broadcast is posted, so the engine
-        # receives it flipped and its own checksum of what arrived must differ.
+        # 3. the guard can fail, both ways. (a) A tensor changes while its push is in flight
+        # (an optimizer step before settle): one sign bit of the first tensor, flipped in place
+        # once the push is posted; its version counter shows it, whenever the bytes went out.
         import generator_process
 
+        sd = model.state_dict()
+        gen.push(sd, wait=False)
+        with torch.no_grad():
+            next(iter(sd.values())).view(-1)[1].neg_()
+        with pytest.raises(RuntimeError, match="changed before it was acknowledged"):
+            gen.settle()
+        collect(gen, 4)  # sync: the batch of that version, before the next push
+        # (b) What arrived is not what was sent: one bit changed on the way. The sender's
+        # checksum is taken of the first tensor with its sign bit flipped (as if that bit had
+        # flipped in transit): the engine's checksum of what arrived must differ from it.
         real = generator_process.checksum
 
-        def flip_after_checksum(t):
-            sums = real(t)
+        def flipped_on_the_way(t):
             if not flipped:
-                t.view(-1)[1].neg_()  # its sign bit alone
                 flipped.append(t)
-            return sums
+                t = t.clone()
+                t.view(-1)[1].neg_()
+            return real(t)
 
         flipped = []
-        generator_process.checksum = flip_after_checksum
+        generator_process.checksum = flipped_on_the_way  # the push's checksum thread calls it
         try:
             gen.push(model.state_dict(), wait=False)
+            with pytest.raises(RuntimeError, match="are not the ones sent"):
+                gen.settle()
         finally:
             generator_process.checksum = real
-        with pytest.raises(RuntimeError, match="are not the ones sent"):
-            gen.settle()
     finally:
         gen.stop()
 

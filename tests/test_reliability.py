@@ -368,6 +368,20 @@ def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
     assert not session_left(proc.pid)
 
 
+def test_an_engine_that_never_joins_the_weight_group_is_stopped(tmp_path):
+    """The engine hangs before it joins the weight group (the test hook): the trainer, which
+    forms the group on a thread and watches meanwhile, stops it within the stall bound and
+    reports its stack, instead of waiting out the group's 1 h timeout."""
+    env = dict(os.environ, INFLIGHT_TEST_STALL_AT_GROUP="1")
+    proc = start_train("--out", str(tmp_path / "run"), "--steps", "3", "--stall-s", "10", *SMALL, env=env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, (out[-2000:], err[-3000:])
+    assert "generator stalled: alive but not in the weight group for 10s" in err, err[-3000:]
+    assert "in stall_test_hook" in err
+    time.sleep(1)
+    assert not session_left(proc.pid)
+
+
 # the weight group's waits as they are on CPU (gloo's: wait() blocks, a dead peer fails the collective),
 # and as NCCL's are on a GPU (generator_process.nccl_wait_test_hook): the same reports within the same bounds
 WAITS = [pytest.param({}, id="gloo"), pytest.param({"INFLIGHT_TEST_NCCL_WAITS": "1"}, id="nccl-waits")]

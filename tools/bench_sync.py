@@ -132,9 +132,9 @@ def heap_probed_generator(cfg, samples_q, control_q, joined):
 
 
 def guard_ops(tensors):
-    """The aten ops the push's guard dispatches for each of `tensors`, as send_weights runs it
-    (`sent += checksum(t)`; the engine's take() runs the same for each tensor that arrives): one
-    Counter per tensor, op -> calls. Views (view, detach) are counted too: they launch no kernel
+    """The aten ops the push's guard dispatches for each of `tensors`, as send_weights's checksum
+    thread runs it (`sent.add_(checksum(t))`; the engine's take() runs the same for each tensor
+    that arrives): one Counter per tensor, op -> calls. Views (view, detach) are counted too: they launch no kernel
     but are a dispatch each; `op.is_view` tells them apart. Works on the meta device."""
     import collections
     import torch
@@ -152,7 +152,7 @@ def guard_ops(tensors):
             sent = torch.zeros(2, dtype=torch.int64, device=t.device)
         ops = collections.Counter()
         with Count():
-            sent += checksum(t)
+            sent.add_(checksum(t))
         per_tensor.append(ops)
     return per_tensor
 
@@ -168,7 +168,7 @@ def guard_cost(tensors, rounds=5):
         t0 = time.time()
         sent = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
         for t in tensors:
-            sent += checksum(t)
+            sent.add_(checksum(t))
         sent.tolist()  # waits for a GPU's kernels
         took.append(time.time() - t0)
     ops = guard_ops(tensors)
@@ -376,7 +376,8 @@ def bench_sync(args):
     )
     guard_s, ops, kernels = guard_cost(send)
     print(
-        f"  the guard (generator_process.checksum, each side of a push): {ops} ops dispatched for {len(send)} tensors "
+        f"  the guard's checksum (generator_process.checksum, each side of a push; the trainer's on a thread of "
+        f"its own): {ops} ops dispatched for {len(send)} tensors "
         f"({ops / len(send):.1f} a tensor, {kernels} of them kernels), {guard_s:.4f}s alone (median of 5) "
         f"-> {guard_s / raw_s:.3f}x the raw broadcast"
     )

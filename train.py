@@ -203,10 +203,13 @@ def main(argv=None):
     waited = [0.0]  # how long this step's optimizer step waited for the last push (settle)
 
     def settle():
-        """Wait for the push in flight: the next optimizer step overwrites the weights it sends."""
-        if gen.pushing():
+        """Settle the last push, acknowledged or not: the next optimizer step overwrites the
+        weights it sends, and settle() checks they were not written before that (the guard)."""
+        busy = gen.pushing()
+        if busy:
             log.trainer("syncing")
-            waited[0] += gen.settle()
+        waited[0] += gen.settle()  # at once when the ack is in
+        if busy:
             log.trainer("training")
 
     try:

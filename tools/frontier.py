@@ -63,6 +63,7 @@ The rules:
 """
 
 import argparse
+import collections
 import functools
 import hashlib
 import json
@@ -139,6 +140,14 @@ def md5(path):
     return hashlib.md5(open(path, "rb").read()).hexdigest()
 
 
+def processor():
+    """The processor a run ran on: its rows are byte-reproducible there, not on another one
+    (vLLM's CPU kernels and torch's sums round differently; a different draw, as a seed is)."""
+    first = open("/proc/cpuinfo").read().split("\n\n")[0]  # the first core's block
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    return f"{info.get('vendor_id', '?')} family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+
+
 def summarize(run):
     """What the tables need of one finished run, read from its files."""
     metrics = read_jsonl(os.path.join(run, "metrics.jsonl"))
@@ -164,6 +173,7 @@ def summarize(run):
         finished=sum(a["finished"] for a in last),
         answers=len(last),
         answers_md5=md5(os.path.join(run, "answers.jsonl")),
+        processor=processor(),
     )
 
 
@@ -263,17 +273,17 @@ def run_grid(out, jobs, only=None):
                 todo.append((name, flag_of[name], os.path.join(out, name)))
         print(f"{block}/{loss}: {len(todo)} runs to go, budgets {budgets} s", file=sys.stderr, flush=True)
         run_all(jobs, todo, done)
-    if not only and (ext := extension()):
-        block, eta, _ = ext
-        have, todo = read_data()["runs"], []
-        for regime in REGIMES:
-            for seed in EXTRA_SEEDS:
-                name = cell_name(block, "tis", regime, eta, seed)
-                if name not in have:
-                    at = ",".join(f"{t:g}" for t in read_data()["budgets"][block])
-                    flag_of[name] = (*cell_flags(block, "tis", regime, eta, seed), "--eval-at", at)
-                    todo.append((name, flag_of[name], os.path.join(out, name)))
-        run_all(jobs, todo, done)
+        if not only and (ext := extension()):  # as soon as the tis blocks are in: the headline pairs first
+            block, eta, _ = ext
+            have, todo = read_data()["runs"], []
+            for regime in REGIMES:
+                for seed in EXTRA_SEEDS:
+                    name = cell_name(block, "tis", regime, eta, seed)
+                    if name not in have:
+                        at = ",".join(f"{t:g}" for t in read_data()["budgets"][block])
+                        flag_of[name] = (*cell_flags(block, "tis", regime, eta, seed), "--eval-at", at)
+                        todo.append((name, flag_of[name], os.path.join(out, name)))
+            run_all(jobs, todo, done)
 
 
 # -----------------------------------------------------------------------------
@@ -333,6 +343,8 @@ def block_table(data, block, loss):
         "| ESS | KL(mu‖pi) | clipped | finished & right at the last |",
         "|---" * (11 + len(ts)) + "|",
     ]
+    on = collections.Counter(r.get("processor", "?") for rs in rows.values() for r in rs)
+    lines[0] += "; runs by processor: " + ", ".join(f"{n} on {p}" for p, n in sorted(on.items()))
     fmt = lambda v, f="{:.3f}": f"{f.format(statistics.mean(v))} ± {f.format(statistics.stdev(v))}"
     pct = lambda rs, k, f="{:.1f}%": f.format(100 * statistics.mean(r[k] or 0 for r in rs))
     for (regime, eta), rs in rows.items():
@@ -463,6 +475,7 @@ def main():
         again = md5(os.path.join(run, "answers.jsonl"))
         same = "the same" if again == rec["answers_md5"] else "DIFFERENT"
         print(f"{args.rerun}: answers.jsonl md5 {again}, the data file's {rec['answers_md5']}: {same}")
+        print(f"  ran on {processor()}; the data file's row on {rec.get('processor', 'an unrecorded processor')}")
         return
     if not args.table_only and not args.figure:
         run_grid(args.out, args.jobs, args.only)

@@ -87,6 +87,9 @@ def parse_config(argv=None):
         "--threads", type=int, default=None, help="CPU threads for torch, 0: torch's default (default: per model)"
     )
     p.add_argument("--out", default=None, help="output JSON (default: out/study-<model>-<dataset>/study.json)")
+    p.add_argument(
+        "--record", action="store_true", help="append the summary to results/study.jsonl and rewrite its tables"
+    )
     cfg = vars(p.parse_args(argv))
     for k, v in PER_MODEL["tiny" if cfg["model"] == "tiny" else "hub"].items():
         cfg[k] = v if cfg[k] is None else cfg[k]
@@ -334,7 +337,90 @@ def main(argv=None):
     for x in res["partial"]:
         print(f"{x['k']:19d}  {pct(x['share_removed'])}")
     print(f"wrote {cfg['out']} and {png}")
+    if cfg["record"]:
+        record(res)
     return res
+
+
+# The committed record: `python study.py --seed S --record` appends one line per run to
+# results/study.jsonl, and the pages' study tables and sentence (TABLES) are written from
+# that file alone, between markers (tools/marked.py; tests/test_marked.py rebuilds them).
+SETTINGS = ("model", "dataset", "synth_steps", "prompts", "group_size", "max_new_tokens", "updates", "lr", "seed")
+
+
+def record(res):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+    import marked
+
+    first, after = res["bins"][0], res["bins"][-1]
+    line = dict(
+        {k: res["config"][k] for k in SETTINGS},
+        layers=res["layers"],
+        answers=res["answers"],
+        answer_len=round(res["answer_len"], 1),
+        reward_mean=round(res["reward_mean"], 4),
+        undone_first8=first["share_undone"],
+        undone_after32=after["share_undone"],
+        kl_per_token_per_step=res["kl_per_token_per_step"],
+        removed={str(x["k"]): x["share_removed"] for x in res["partial"]},
+        processor=marked.processor(),
+        commit=marked.commit(),
+    )
+    marked.record("study", line, key=[*SETTINGS, "processor"])
+    for page, name in marked.write(TABLES):
+        print(f"wrote table {name} in {page}")
+
+
+def tiny_runs():
+    """The recorded runs of a plain `python study.py --seed S` (tiny model, synth, its defaults)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+    import marked
+
+    plain = {k: v for k, v in parse_config([]).items() if k in SETTINGS and k != "seed"}
+    runs = {}
+    for r in marked.read("study"):
+        if all(r[k] == v for k, v in plain.items()):
+            runs[r["seed"], r["processor"]] = r  # the last line for a run
+    return [runs[k] for k in sorted(runs)]
+
+
+def pct(x):
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def table_tiny():
+    rows = [
+        "| `--seed` | answers: mean tokens, reward | share undone, tokens 1-8 after the switch | after token 32 "
+        "| KL(fresh‖old) per token per step | stale divergence removed, first k of 4 layers: 1 / 2 / 3 | processor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in tiny_runs():
+        removed = " / ".join(pct(r["removed"][k]) for k in ("1", "2", "3"))
+        rows.append(
+            f"| {r['seed']} | {r['answers']}: {r['answer_len']:.0f}, {r['reward_mean']:.2f} "
+            f"| {pct(r['undone_first8'])} | {pct(r['undone_after32'])} | {r['kl_per_token_per_step']:.2e} nats "
+            f"| {removed} | {r['processor']} |"
+        )
+    return "\n".join(rows)
+
+
+def sentence():
+    runs = tiny_runs()
+    first, after = sorted(r["undone_first8"] for r in runs), sorted(r["undone_after32"] for r in runs)
+    seeds = sorted({r["seed"] for r in runs})
+    lr = f"{runs[0]['lr']:.0e}".replace("e-0", "e-")
+    return (
+        f"- `python study.py --seed S` (tiny model, lr {lr}, seeds {seeds[0]}-{seeds[-1]}): a stale cache undid "
+        f"{pct(first[0])}-{pct(first[-1])} of a step's change over the 8 tokens after a switch, "
+        f"{pct(after[0])}-{pct(after[-1])} after token 32 ([each seed](RESULTS.md#the-teacher-forcing-study))."
+    )
+
+
+TABLES = {"study-tiny": table_tiny, "study-readme": sentence}
 
 
 if __name__ == "__main__":

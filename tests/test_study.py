@@ -155,3 +155,28 @@ def test_identical_weights_give_zero_kl(tmp_path):
         assert b["kl_fresh_old"] < 1e-6 * max(1, b["tokens"]) and b["kl_fresh_stale"] < 1e-6 * max(1, b["tokens"])
     for p in res["partial"]:
         assert p["kl_fresh_partial"] < 1e-6 * n
+
+
+def test_record_appends_what_the_run_printed_once(tmp_path, monkeypatch):
+    """--record: the run's summary becomes one line of results/study.jsonl (here a file in
+    tmp_path) and the pages' study tables are rewritten; recording the same run again adds
+    nothing; the tables read plain `python study.py --seed S` runs only, not this 2-prompt one."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(study.__file__)), "tools"))
+    import marked
+
+    monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
+    written = []
+    monkeypatch.setattr(marked, "write", lambda tables, **kw: written.append(sorted(tables)) or [])
+    flags = ["--prompts", "2", "--group-size", "4", "--max-new-tokens", "48", "--seed", "3"]
+    res = study.main([*flags, "--out", str(tmp_path / "study.json"), "--record"])
+    (line,) = map(json.loads, open(tmp_path / "study.jsonl"))
+    assert (line["seed"], line["prompts"], line["answers"]) == (3, 2, res["answers"])
+    assert line["undone_first8"] == res["bins"][0]["share_undone"] is not None
+    assert line["undone_after32"] == res["bins"][-1]["share_undone"]
+    assert line["removed"] == {str(p["k"]): p["share_removed"] for p in res["partial"]}
+    assert written == [["study-readme", "study-tiny"]]
+    study.record(res)
+    assert len(open(tmp_path / "study.jsonl").readlines()) == 1
+    assert study.tiny_runs() == []

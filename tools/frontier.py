@@ -140,14 +140,6 @@ def md5(path):
     return hashlib.md5(open(path, "rb").read()).hexdigest()
 
 
-def processor():
-    """The processor a run ran on: its rows are byte-reproducible there, not on another one
-    (vLLM's CPU kernels and torch's sums round differently; a different draw, as a seed is)."""
-    first = open("/proc/cpuinfo").read().split("\n\n")[0]  # the first core's block
-    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
-    return f"{info.get('vendor_id', '?')} family {info.get('cpu family', '?')} model {info.get('model', '?')}"
-
-
 def summarize(run):
     """What the tables need of one finished run, read from its files."""
     metrics = read_jsonl(os.path.join(run, "metrics.jsonl"))
@@ -173,7 +165,7 @@ def summarize(run):
         finished=sum(a["finished"] for a in last),
         answers=len(last),
         answers_md5=md5(os.path.join(run, "answers.jsonl")),
-        processor=processor(),
+        processor=marked.processor(),
     )
 
 
@@ -475,7 +467,8 @@ def main():
         again = md5(os.path.join(run, "answers.jsonl"))
         same = "the same" if again == rec["answers_md5"] else "DIFFERENT"
         print(f"{args.rerun}: answers.jsonl md5 {again}, the data file's {rec['answers_md5']}: {same}")
-        print(f"  ran on {processor()}; the data file's row on {rec.get('processor', 'an unrecorded processor')}")
+        on = rec.get("processor", "an unrecorded processor")
+        print(f"  ran on {marked.processor()}; the data file's row on {on}")
         return
     if not args.table_only and not args.figure:
         run_grid(args.out, args.jobs, args.only)

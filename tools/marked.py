@@ -30,7 +30,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PAGES = ("README.md", "docs/course.md", "RESULTS.md")
-TOOLS = ("course", "stress", "frontier")  # tools/<name>.py, each with TABLES; its data is results/<name>.jsonl
+# tools/<name>.py (study.py: at the root), each with TABLES; its data is results/<name>.jsonl
+TOOLS = ("course", "stress", "frontier", "study")
 # a block: its opening line, its text (lines, possibly none), its closing line
 BLOCK = re.compile(r"^<!-- table: ([\w.-]+) -->\n(.*?)^<!-- end -->$", re.M | re.S)
 
@@ -97,6 +98,14 @@ def commit():
         )
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def processor():
+    """The processor a run ran on: its rows are byte-reproducible there, not on another one
+    (vLLM's CPU kernels and torch's sums round differently; a different draw, as a seed is)."""
+    first = open("/proc/cpuinfo").read().split("\n\n")[0]  # the first core's block
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    return f"{info.get('vendor_id', '?')} family {info.get('cpu family', '?')} model {info.get('model', '?')}"
 
 
 def builders():

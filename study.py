@@ -415,8 +415,8 @@ def sentence():
     lr = f"{runs[0]['lr']:.0e}".replace("e-0", "e-")
     return (
         f"- `python study.py --seed S` (tiny model, lr {lr}, seeds {seeds[0]}-{seeds[-1]}): a stale cache undid "
-        f"{pct(first[0])}-{pct(first[-1])} of a step's change over the 8 tokens after a switch, "
-        f"{pct(after[0])}-{pct(after[-1])} after token 32 ([each seed](RESULTS.md#the-teacher-forcing-study))."
+        f"{pct(first[0])[:-1]}-{pct(first[-1])} of a step's change over the 8 tokens after a switch, "
+        f"{pct(after[0])[:-1]}-{pct(after[-1])} after token 32 ([each seed](RESULTS.md#the-teacher-forcing-study))."
     )
 
 

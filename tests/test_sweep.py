@@ -222,3 +222,25 @@ def test_frontier_tables_come_from_the_data_file_alone(tmp_path):
     assert data == dict(budgets={}, runs={})
     assert tables(data).count("27 of 27 runs not in the data file yet") == 7
     assert "| training is | not in the grid | `ppo`: 27 of 27 runs not in the data file yet |" in decision(data)
+
+
+def test_record_keeps_each_run_once_and_the_quoted_difference_is_paired(tmp_path, monkeypatch):
+    """sweep.record: a line per finished run in results/sweep.jsonl (here in tmp_path), its
+    right answers exact, recorded once however often the sweep is tabled; difference() pairs
+    by seed and leaves out a seed one regime lacks: by hand, 100 x (0.75 - 0.5) = +25 at seed
+    0 and 100 x (0.5 - 0.5) = 0 at seed 1; seed 2 has stale only."""
+    from tools import sweep
+
+    marked = sweep.marked  # the module sweep writes through (tools/ on its path: not tools.marked)
+    monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
+    written = []
+    monkeypatch.setattr(marked, "write", lambda tables, **kw: written.append(sorted(tables)) or [])
+    run = {k: 0.0 for k in sweep.KEPT} | dict(pool="fifo", cfg=dict(eval_n=16))
+    finals = {("stale", 0): 0.75, ("stale", 1): 0.5, ("stale", 2): 0.25, ("sync", 0): 0.5, ("sync", 1): 0.5}
+    rows = [run | dict(regime=r, seed=s, acc1=v) for (r, s), v in finals.items()]
+    sweep.record(rows, "t", "default")
+    sweep.record(rows, "t", "default")
+    lines = [json.loads(x) for x in open(tmp_path / "sweep.jsonl")]
+    assert len(lines) == 5 and written == [["sweep-finals", "sweep-readme"]] * 2
+    assert [x["right"] for x in lines] == [12, 8, 4, 8, 8] and {x["sweep"] for x in lines} == {"t"}
+    assert sweep.difference("t", "stale", "sync") == [25.0, 0.0]

@@ -79,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
 from runlog import per_token, read_jsonl  # noqa: E402
-from sweep import T975  # noqa: E402
+from sweep import interval, said  # noqa: E402
 
 DATA = os.path.join(ROOT, "results", "frontier.jsonl")
 SEEDS, EXTRA_SEEDS = (0, 1, 2), (3, 4)
@@ -105,7 +105,6 @@ ORDER = [  # (block, loss) in the order they run: the default loss first, at bot
     ("gen-slower-lr-x4", "gspo"),
 ]
 PROBE_STEPS = (10, 20, 40)  # the budgets: when the block's sync probe ends these steps
-T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
 
 
 def cell_flags(block, loss, regime, eta, seed):
@@ -280,24 +279,6 @@ def run_grid(out, jobs, only=None):
 
 # -----------------------------------------------------------------------------
 # the tables, from the data file alone
-
-
-def interval(d):
-    """(mean, low, high, detectable at 80% power) of paired differences d, in points; None bounds with < 2."""
-    m = statistics.mean(d)
-    if len(d) < 2:
-        return m, None, None, None
-    se = statistics.stdev(d) / len(d) ** 0.5
-    return m, m - T975[len(d) - 1] * se, m + T975[len(d) - 1] * se, (T975[len(d) - 1] + T80[len(d) - 1]) * se
-
-
-def said(d):
-    """A paired difference as the write-up says it: mean [low, high], and 'cannot tell' where the interval holds 0."""
-    m, lo, hi, power = interval(d)
-    if lo is None:
-        return f"{m:+.1f} (one seed)"
-    verdict = "cannot tell" if lo <= 0 <= hi else ("higher" if lo > 0 else "lower")
-    return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict}; 80%: {power:.1f}"
 
 
 def cells(runs, block, loss, regime, eta, seeds=SEEDS):

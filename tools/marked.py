@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PAGES = ("README.md", "docs/course.md", "RESULTS.md")
 # tools/<name>.py (study.py: at the root), each with TABLES; its data is results/<name>.jsonl
-TOOLS = ("course", "stress", "frontier", "study")
+TOOLS = ("course", "stress", "frontier", "sweep", "study")
 # a block: its opening line, its text (lines, possibly none), its closing line
 BLOCK = re.compile(r"^<!-- table: ([\w.-]+) -->\n(.*?)^<!-- end -->$", re.M | re.S)
 
@@ -89,10 +89,10 @@ def record(tool, line, key):
         append(tool, line)
 
 
-def commit():
+def commit(tree=ROOT):
     """The checkout's commit (with "+" when files differ from it), for a line to say what code made its runs."""
     try:
-        run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout  # noqa: E731
+        run = lambda *a: subprocess.run(["git", *a], cwd=tree, capture_output=True, text=True, check=True).stdout  # noqa: E731
         return run("rev-parse", "--short", "HEAD").strip() + (
             "+" if run("status", "--porcelain", "-uno").strip() else ""
         )

@@ -34,6 +34,12 @@ includes the generator's start-up (ledger.json's startup_s, ~10 s on a CPU) but
 not the trainer's imports and model load. An eval logged on a step row carries
 that step's wall_s, taken before the evaluation ran: the moment the weights it
 evaluates existed.
+
+The committed record (tools/marked.py): with --record NAME, every finished run's summary (its
+numbers and pass@1 curve, the processor and commit) goes onto results/sweep.jsonl under NAME,
+and the pages' sweep tables (TABLES) are rewritten from that file alone. Its first 37 lines
+were copied from RESULTS.md's per-run tables of two sweeps (each says "source"; their run
+directories were lost with their machines): final pass@1 only, exact as right / eval_n.
 """
 
 import argparse
@@ -50,6 +56,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
 from plot import COLOURS as ACTIVITY_COLOURS  # noqa: E402  (its timeline figure: plot.py's colours)
 from runlog import per_token, read_jsonl  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import marked  # noqa: E402
 
 # Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
 # before the sweep: halfway from the start to the end of pilot sync runs of the preset
@@ -211,6 +220,28 @@ def t_interval(d):
         return None
     h = T975[len(d) - 1] * statistics.stdev(d) / len(d) ** 0.5
     return statistics.mean(d) - h, statistics.mean(d) + h
+
+
+# t(0.80, df): with T975, the difference a paired test of these seeds detects with 80% power
+T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
+
+
+def interval(d):
+    """(mean, low, high, detectable at 80% power) of paired differences d, in points; None bounds with < 2."""
+    m = statistics.mean(d)
+    if len(d) < 2:
+        return m, None, None, None
+    se = statistics.stdev(d) / len(d) ** 0.5
+    return m, m - T975[len(d) - 1] * se, m + T975[len(d) - 1] * se, (T975[len(d) - 1] + T80[len(d) - 1]) * se
+
+
+def said(d):
+    """A paired difference as the write-up says it: mean [low, high], and 'cannot tell' where the interval holds 0."""
+    m, lo, hi, power = interval(d)
+    if lo is None:
+        return f"{m:+.1f} (one seed)"
+    verdict = "cannot tell" if lo <= 0 <= hi else ("higher" if lo > 0 else "lower")
+    return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict}; 80%: {power:.1f}"
 
 
 def mean_std(values, fmt):
@@ -505,6 +536,80 @@ def analysis(rows, target):
 
 
 # -----------------------------------------------------------------------------
+# the committed record, and the tables written from it
+
+KEPT = ("regime", "pool", "seed", "acc0", "acc1", "curve", "cpu_curve", "steps_per_min", "stale", "lag", "spanning")
+KEPT += ("gen_idle", "discarded", "recomputed", "rejected", "gen_share", "trainer_share")
+
+
+def record(rows, name, preset, tree=ROOT):
+    """Each finished run's summary, a line of results/sweep.jsonl (once: recording again adds nothing)."""
+    for r in rows:
+        line = dict({k: r[k] for k in KEPT}, sweep=name, preset=preset, eval_n=r["cfg"]["eval_n"])
+        line.update(right=round(r["acc1"] * line["eval_n"]), processor=marked.processor(), commit=marked.commit(tree))
+        marked.record("sweep", line, key=["sweep", "regime", "pool", "seed"])
+    for page, table in marked.write(TABLES):
+        print(f"wrote table {table} in {page}")
+
+
+def recorded(sweep):
+    """{(regime, pool, seed): line} of one recorded sweep, the last line for each run."""
+    return {(r["regime"], r["pool"], r["seed"]): r for r in marked.read("sweep") if r["sweep"] == sweep}
+
+
+def difference(sweep, a, b):
+    """Final pass@1 of regime a - regime b (fifo runs), in points, paired by seed."""
+    runs = recorded(sweep)
+    return [
+        100 * (x["acc1"] - runs[b, "fifo", s]["acc1"])
+        for (r, p, s), x in sorted(runs.items())
+        if (r, p) == (a, "fifo") and (b, "fifo", s) in runs
+    ]
+
+
+# the comparisons the pages quote, each fixed before it was quoted: (sweep, a, b)
+QUOTED = [("long-3935084", "stale", "recompute"), ("issue51-f4a32f1", "recompute", "sync")]
+
+
+def finals_table():
+    """Every recorded sweep's final pass@1, per regime and seed, then the quoted comparisons."""
+    data = marked.read("sweep")
+    lines = [["sweep", "regime", "pool", "final pass@1 by seed (0, 1, ...)", "mean ± sd", "processor", "source"]]
+    for sweep in sorted({r["sweep"] for r in data}):
+        for regime, pool, rs in groups(list(recorded(sweep).values())):
+            rs = sorted(rs, key=lambda r: r["seed"])
+            finals = [r["acc1"] for r in rs]
+            source = "recorded" if "source" not in rs[0] else "copied"
+            cells = [" / ".join(f"{v:.3f}" for v in finals), mean_std(finals, "{:.3f}"), rs[0]["processor"], source]
+            lines.append([sweep, regime, pool, *cells])
+    table = markdown(lines[0], lines[1:])
+    quoted = [
+        [f"{sweep}: {a} - {b}", said(difference(sweep, a, b)), str(len(difference(sweep, a, b)))]
+        for sweep, a, b in QUOTED
+    ]
+    return (
+        table
+        + "\n\n"
+        + markdown(["final pass@1, paired by seed (points)", "mean [95% t] verdict; 80%", "seeds"], quoted)
+    )
+
+
+def readme_sentence():
+    """The README's sentence: the quoted comparisons, each no stronger than its interval."""
+    (level, cost) = (difference(*q) for q in QUOTED)
+    short = lambda d: said(d).split(";")[0].replace("] ", "], ")  # noqa: E731
+    cost_said = short(cost).replace("lower", "lower: asynchrony cost a little there")
+    return (
+        f"- In `train.py`, final pass@1: on the long preset `stale` - `recompute` is {short(level)} "
+        f"({len(level)} seeds); on the default preset `recompute` - `sync` is {cost_said} ({len(cost)} seeds; "
+        "[both](RESULTS.md#trainpys-sweeps-in-the-data-file))."
+    )
+
+
+TABLES = {"sweep-finals": finals_table, "sweep-readme": readme_sentence}
+
+
+# -----------------------------------------------------------------------------
 # figures
 
 
@@ -660,6 +765,12 @@ def main():
     p.add_argument("--out", default="out/sweep", help="parent directory of the presets' run directories")
     p.add_argument("--table-only", action="store_true", help="run nothing, write the tables of finished runs")
     p.add_argument(
+        "--record",
+        metavar="NAME",
+        default=None,
+        help="append every finished run's summary to results/sweep.jsonl as sweep NAME, rewrite its tables",
+    )
+    p.add_argument(
         "--tree",
         default=ROOT,
         help="the checkout whose train.py runs (another commit, for a before/after: `git worktree add DIR COMMIT`)",
@@ -726,6 +837,8 @@ def main():
             f.write(f"# {setting(args.preset, rows)}, one row per run\n\n{runs_table(rows, target)}\n\n{notes}\n")
         print(f"wrote {folder}/table.md, {folder}/runs.md")
         figures(args.preset, rows, target, folder)
+        if args.record:
+            record(rows, args.record, args.preset, args.tree)
     else:
         print(f"no finished runs in {folder}")
 

@@ -244,3 +244,24 @@ def test_record_keeps_each_run_once_and_the_quoted_difference_is_paired(tmp_path
     assert len(lines) == 5 and written == [["sweep-finals", "sweep-readme"]] * 2
     assert [x["right"] for x in lines] == [12, 8, 4, 8, 8] and {x["sweep"] for x in lines} == {"t"}
     assert sweep.difference("t", "stale", "sync") == [25.0, 0.0]
+
+
+def test_frontier_counts_its_intervals_by_hand():
+    """The course's and the README's count of stale - recompute intervals, on one block of made-up
+    runs at one budget: at eta 1 stale leads by 10, 9, 8 points (an interval above 0); at eta 2 it
+    trails by 10, 9, 8; at eta 4 and 8 the differences are +1, -1, 0 (intervals holding 0)."""
+    from tools.frontier import cell_name, grid_says, readme_says
+
+    block, loss = "gen-slower-lr-x4", "ppo"
+    runs = {}
+    for eta, d in ((1, (10, 9, 8)), (2, (-10, -9, -8)), (4, (1, -1, 0)), (8, (1, -1, 0))):
+        for seed, x in enumerate(d):
+            for regime, acc in (("stale", 0.5 + x / 100), ("recompute", 0.5)):
+                runs[cell_name(block, loss, regime, eta, seed)] = dict(acc={"10.0": acc})
+    data = dict(budgets={block: [10.0]}, runs=runs)
+    said = grid_says(data)
+    assert "is 4 intervals (1 blocks and losses x 4 etas x 1 budgets): 2 hold 0" in said, said
+    assert "1 favour `stale` (`ppo` at 4x the rate, generation the slower side, eta 1, 10 s: +9.0 [" in said, said
+    assert "1 favour `recompute` (`ppo` at 4x the rate, generation the slower side, eta 2, 10 s: -9.0 [" in said
+    assert "(24 runs;" in said and "About 0 of 4 would exclude 0 by chance" in said, said
+    assert "2 of 4 `stale` - `recompute` intervals hold 0, 1 favour `recompute` and 1 `stale`;" in readme_says(data)

@@ -339,17 +339,78 @@ def block_table(data, block, loss):
     ]
     lines += ["| eta | " + " | ".join(f"at {float(t):g} s" for t in ts) + " |", "|---" * (1 + len(ts)) + "|"]
     for eta in ETAS:
-        five = SEEDS + EXTRA_SEEDS
-        seeds = five if all(cells(runs, block, loss, regime, eta, five) for regime in REGIMES) else SEEDS
-        s, r = (cells(runs, block, loss, regime, eta, seeds) for regime in REGIMES)
-        diffs = [said([100 * (a["acc"][t] - b["acc"][t]) for a, b in zip(s, r)]) for t in ts]
-        lines.append(f"| {eta}{' (5 seeds)' if len(seeds) > 3 else ''} | " + " | ".join(diffs) + " |")
+        d = {t: d for b, lo, e, t, d in stale_minus_recompute(data) if (b, lo, e) == (block, loss, eta)}
+        five = " (5 seeds)" if len(d[ts[0]]) > len(SEEDS) else ""
+        lines.append(f"| {eta}{five} | " + " | ".join(said(d[t]) for t in ts) + " |")
     top, same = best_setting({k: [r["acc"][ts[-1]] for r in v] for k, v in rows.items()})
     label = lambda k: "sync" if k[0] == "sync" else f"{k[0]} eta {k[1]}"
     others = [label(k) for k in same if k != top]
     lines += ["", f"Best at {float(ts[-1]):g} s by the rule: **{label(top)}**; the seeds cannot tell it from "]
     lines[-1] += (", ".join(others) if others else "no other setting") + "."
     return "\n".join(lines), (top, same)
+
+
+def stale_minus_recompute(data):
+    """Every stale - recompute comparison of the grid's finished blocks: (block, loss, eta, budget, the
+    paired differences in points), over seeds 0-4 where both regimes have them (the 5-seed rule), else 0-2."""
+    runs, out = data["runs"], []
+    for block, loss in ORDER:
+        for eta in ETAS:
+            five = SEEDS + EXTRA_SEEDS
+            seeds = five if all(cells(runs, block, loss, regime, eta, five) for regime in REGIMES) else SEEDS
+            s, r = (cells(runs, block, loss, regime, eta, seeds) for regime in REGIMES)
+            if s and r and block in data["budgets"]:
+                for t in map(str, data["budgets"][block]):
+                    out.append((block, loss, eta, t, [100 * (a["acc"][t] - b["acc"][t]) for a, b in zip(s, r)]))
+    return out
+
+
+def where(block, loss):
+    """A (block, loss) in words: the loss, the rate, and which side is slower where the grid has both."""
+    speed, lr, _ = BLOCKS[block]
+    rate = "the preset's rate" if lr == "x1" else f"{lr[1:]}x the rate"
+    both = sum(loss in losses for _, r, losses in BLOCKS.values() if r == lr) > 1
+    side = {"gen-slower": "generation", "train-slower": "training"}[speed]
+    return f"`{loss}` at {rate}" + (f", {side} the slower side" if both else "")
+
+
+def grid_says(data=None):
+    """The course's count of the grid's stale - recompute intervals: how many hold 0, each that does not."""
+    data = data or read_data()
+    found = stale_minus_recompute(data)
+    sides = {"higher": [], "lower": []}
+    for block, loss, eta, t, d in found:
+        m, lo, hi, _ = interval(d)
+        if not lo <= 0 <= hi:
+            five = f", {len(d)} seeds" if len(d) > len(SEEDS) else ""
+            sides["higher" if lo > 0 else "lower"].append(
+                f"{where(block, loss)}, eta {eta}, {float(t):g} s: {m:+.1f} [{lo:+.1f}, {hi:+.1f}]{five}"
+            )
+    up, down = sides["higher"], sides["lower"]
+    return (
+        f"What the grid says ({len(data['runs'])} runs; the tables in RESULTS). `stale` - `recompute` is "
+        f"{len(found)} intervals ({len({x[:2] for x in found})} blocks and losses x {len(ETAS)} etas x "
+        f"{len({x[3] for x in found if x[:2] == found[0][:2]})} budgets): "
+        f'{len(found) - len(up) - len(down)} hold 0 ("cannot tell"); {len(up)} favour `stale` '
+        f"({'; '.join(up) or 'none'}); {len(down)} favour `recompute` ({'; '.join(down) or 'none'}). "
+        f"About {round(0.05 * len(found))} of {len(found)} would exclude 0 by chance alone."
+    )
+
+
+def readme_says(data=None):
+    """The README's sentence on the grid, from the same count."""
+    data = data or read_data()
+    found = [(block, loss, interval(d)[1:3]) for block, loss, *_, d in stale_minus_recompute(data)]
+    up = [where(b, loss) for b, loss, (lo, _) in found if lo > 0]
+    down = [where(b, loss) for b, loss, (_, hi) in found if hi < 0]
+    alike = lambda side: f" (all {side[0]})" if len(set(side)) == 1 and len(side) > 1 else ""  # noqa: E731
+    return (
+        f"- How far ahead (`tools/frontier.py`, {len(data['runs'])} runs, 3 seeds): at equal simulated time "
+        f"{len(found) - len(up) - len(down)} of {len(found)} `stale` - `recompute` intervals hold 0, {len(down)} "
+        f"favour `recompute`{alike(down)} and {len(up)} `stale`{alike(up)}; about {round(0.05 * len(found))} "
+        "would by chance. Which regime and eta to run: the "
+        "[decision table](docs/course.md#how-far-ahead-the-staleness-frontier)."
+    )
 
 
 def tables(data):
@@ -401,7 +462,9 @@ def block_text(block, loss):
 
 
 TABLES = {f"frontier-{b}-{loss}": functools.partial(block_text, b, loss) for b, loss in ORDER} | {
-    "frontier-decision": decision
+    "frontier-decision": decision,
+    "frontier-intervals": grid_says,
+    "frontier-readme": readme_says,
 }
 
 

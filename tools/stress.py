@@ -303,8 +303,23 @@ def course_losses():
     return "\n".join(out)
 
 
+def readme_says():
+    """The README's sentence: the naive loss where the pilot's rule found it broken, and where it did not."""
+    calm, hit = (last(batch="issue 40", stage="pilot", setting=x, label="stale none") for x in (SETTINGS[0][0], STRESS))
+    sync = last(batch="issue 40", stage="pilot", setting=STRESS, label="sync none")
+    d = calm["vs"]["sync none"]["final"]
+    return (
+        f"- When lag bites (`tools/stress.py`, {len(hit['seeds'])} seeds): at `{STRESS}` (lag {hit['lag']:.1f}), "
+        f"`stale --loss none` ends at {hit['final'][0]:.2f} pass@1 where `sync` reaches {sync['final'][0]:.2f} "
+        f"({show_paired(hit['vs']['sync none']['final'])} points); the corrections recover part of it ([each with "
+        "its interval](docs/course.md#when-lag-bites-the-stress-experiment)). At the long preset's own setting, "
+        f"{show_paired(d)}: {'cannot tell' if d[1] <= 0 <= d[2] else 'a difference'}."
+    )
+
+
 STRESS = SETTINGS[1][0]
 TABLES = {
+    "stress-readme": readme_says,
     "stress-losses": course_losses,
     "stress-pilot-long": lambda: archived("issue 40", "pilot", "long preset", ["stale none", "sync none"], "sync none"),
     "stress-pilot-lag8": lambda: archived("issue 40", "pilot", STRESS, ["stale none", "sync none"], "sync none"),

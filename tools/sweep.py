@@ -39,7 +39,8 @@ The committed record (tools/marked.py): with --record NAME, every finished run's
 numbers and pass@1 curve, the processor and commit) goes onto results/sweep.jsonl under NAME,
 and the pages' sweep tables (TABLES) are rewritten from that file alone. Its first 37 lines
 were copied from RESULTS.md's per-run tables of two sweeps (each says "source"; their run
-directories were lost with their machines): final pass@1 only, exact as right / eval_n.
+directories were lost with their machines): final pass@1, exact as right / eval_n, and the long
+preset's steps per minute as the table printed them (0.1).
 """
 
 import argparse
@@ -595,14 +596,18 @@ def finals_table():
 
 
 def readme_sentence():
-    """The README's sentence: the quoted comparisons, each no stronger than its interval."""
+    """The README's sentence: the quoted comparisons, each no stronger than its interval, and the
+    long preset's steps per minute, stale over drain (their means over the seeds)."""
     (level, cost) = (difference(*q) for q in QUOTED)
     short = lambda d: said(d).split(";")[0].replace("] ", "], ")  # noqa: E731
     cost_said = short(cost).replace("lower", "lower: asynchrony cost a little there")
+    runs = recorded(QUOTED[0][0]).values()
+    speed = {x: statistics.mean(r["steps_per_min"] for r in runs if r["regime"] == x) for x in ("stale", "drain")}
     return (
         f"- In `train.py`, final pass@1: on the long preset `stale` - `recompute` is {short(level)} "
-        f"({len(level)} seeds); on the default preset `recompute` - `sync` is {cost_said} ({len(cost)} seeds; "
-        "[both](RESULTS.md#trainpys-sweeps-in-the-data-file))."
+        f"({len(level)} seeds), and `stale` took {speed['stale'] / speed['drain']:.2f}x `drain`'s steps per minute "
+        f"(two processes sharing 2 cores); on the default preset `recompute` - `sync` is {cost_said} ({len(cost)} "
+        "seeds; [both](RESULTS.md#trainpys-sweeps-in-the-data-file))."
     )
 
 

@@ -568,7 +568,7 @@ def difference(sweep, a, b):
     ]
 
 
-# the comparisons the pages quote, each fixed before it was quoted: (sweep, a, b)
+# the comparisons the pages quote, each one of analysis()'s claims for its sweep: (sweep, a, b)
 QUOTED = [("long-3935084", "stale", "recompute"), ("issue51-f4a32f1", "recompute", "sync")]
 
 

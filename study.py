@@ -348,12 +348,18 @@ def main(argv=None):
 SETTINGS = ("model", "dataset", "synth_steps", "prompts", "group_size", "max_new_tokens", "updates", "lr", "seed")
 
 
-def record(res):
+def marked_tables():
+    """tools/marked.py, the pages' marked tables (imported when a record is made or read)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
     import marked
 
+    return marked
+
+
+def record(res):
+    marked = marked_tables()
     first, after = res["bins"][0], res["bins"][-1]
     line = dict(
         {k: res["config"][k] for k in SETTINGS},
@@ -375,11 +381,7 @@ def record(res):
 
 def tiny_runs():
     """The recorded runs of a plain `python study.py --seed S` (tiny model, synth, its defaults)."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
-    import marked
-
+    marked = marked_tables()
     plain = {k: v for k, v in parse_config([]).items() if k in SETTINGS and k != "seed"}
     runs = {}
     for r in marked.read("study"):

@@ -163,7 +163,7 @@ def readme_regimes():
             f"| `{label}` | {s['final']:.3f} | {s['steps_per_min']:.1f} | {100 * s['stale']:.0f}% | {s['lag']:.2f} "
             f"| {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% |"
         )
-    stale, drain = dict(rows)["stale"], dict(rows)["drain"]
+    stale, drain = (dict(rows)[x] for x in ("stale", "drain"))
     return "\n".join(lines) + (
         f"\n\n- Long answers make {100 * stale['stale']:.0f}% of `stale`'s trained tokens stale, and the in-flight "
         f"regimes keep the generator busy: `stale` takes {stale['steps_per_min'] / drain['steps_per_min']:.1f}x "

@@ -79,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
 from runlog import per_token, read_jsonl  # noqa: E402
-from sweep import interval, said  # noqa: E402
+from sweep import interval, said, verdict  # noqa: E402
 
 DATA = os.path.join(ROOT, "results", "frontier.jsonl")
 SEEDS, EXTRA_SEEDS = (0, 1, 2), (3, 4)
@@ -338,10 +338,10 @@ def block_table(data, block, loss):
         "",
     ]
     lines += ["| eta | " + " | ".join(f"at {float(t):g} s" for t in ts) + " |", "|---" * (1 + len(ts)) + "|"]
+    diffs = {(eta, t): d for _, _, eta, t, d in stale_minus_recompute(data, [(block, loss)])}
     for eta in ETAS:
-        d = {t: d for b, lo, e, t, d in stale_minus_recompute(data) if (b, lo, e) == (block, loss, eta)}
-        five = " (5 seeds)" if len(d[ts[0]]) > len(SEEDS) else ""
-        lines.append(f"| {eta}{five} | " + " | ".join(said(d[t]) for t in ts) + " |")
+        five = " (5 seeds)" if len(diffs[eta, ts[0]]) > len(SEEDS) else ""
+        lines.append(f"| {eta}{five} | " + " | ".join(said(diffs[eta, t]) for t in ts) + " |")
     top, same = best_setting({k: [r["acc"][ts[-1]] for r in v] for k, v in rows.items()})
     label = lambda k: "sync" if k[0] == "sync" else f"{k[0]} eta {k[1]}"
     others = [label(k) for k in same if k != top]
@@ -350,11 +350,11 @@ def block_table(data, block, loss):
     return "\n".join(lines), (top, same)
 
 
-def stale_minus_recompute(data):
-    """Every stale - recompute comparison of the grid's finished blocks: (block, loss, eta, budget, the
-    paired differences in points), over seeds 0-4 where both regimes have them (the 5-seed rule), else 0-2."""
+def stale_minus_recompute(data, pairs=ORDER):
+    """Every stale - recompute comparison of the (block, loss) pairs' finished runs: (block, loss, eta, budget,
+    the paired differences in points), over seeds 0-4 where both regimes have them (the 5-seed rule), else 0-2."""
     runs, out = data["runs"], []
-    for block, loss in ORDER:
+    for block, loss in pairs:
         for eta in ETAS:
             five = SEEDS + EXTRA_SEEDS
             seeds = five if all(cells(runs, block, loss, regime, eta, five) for regime in REGIMES) else SEEDS
@@ -374,19 +374,30 @@ def where(block, loss):
     return f"`{loss}` at {rate}" + (f", {side} the slower side" if both else "")
 
 
+def sides(data):
+    """The grid's stale - recompute comparisons, and those whose interval excludes 0 by side:
+    {"higher": [...], "lower": [...]}, each (block, loss, eta, budget, mean, low, high, seeds)."""
+    found, out = stale_minus_recompute(data), {"higher": [], "lower": []}
+    for block, loss, eta, t, d in found:
+        m, lo, hi, _ = interval(d)
+        if verdict(lo, hi) != "cannot tell":
+            out[verdict(lo, hi)].append((block, loss, eta, t, m, lo, hi, len(d)))
+    return found, out
+
+
 def grid_says(data=None):
     """The course's count of the grid's stale - recompute intervals: how many hold 0, each that does not."""
     data = data or read_data()
-    found = stale_minus_recompute(data)
-    sides = {"higher": [], "lower": []}
-    for block, loss, eta, t, d in found:
-        m, lo, hi, _ = interval(d)
-        if not lo <= 0 <= hi:
-            five = f", {len(d)} seeds" if len(d) > len(SEEDS) else ""
-            sides["higher" if lo > 0 else "lower"].append(
-                f"{where(block, loss)}, eta {eta}, {float(t):g} s: {m:+.1f} [{lo:+.1f}, {hi:+.1f}]{five}"
-            )
-    up, down = sides["higher"], sides["lower"]
+    found, side = sides(data)
+    said_ = {
+        k: [
+            f"{where(b, loss)}, eta {eta}, {float(t):g} s: {m:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+            + (f", {n} seeds" if n > len(SEEDS) else "")
+            for b, loss, eta, t, m, lo, hi, n in v
+        ]
+        for k, v in side.items()
+    }
+    up, down = said_["higher"], said_["lower"]
     return (
         f"What the grid says ({len(data['runs'])} runs; the tables in RESULTS). `stale` - `recompute` is "
         f"{len(found)} intervals ({len({x[:2] for x in found})} blocks and losses x {len(ETAS)} etas x "
@@ -400,9 +411,8 @@ def grid_says(data=None):
 def readme_says(data=None):
     """The README's sentence on the grid, from the same count."""
     data = data or read_data()
-    found = [(block, loss, interval(d)[1:3]) for block, loss, *_, d in stale_minus_recompute(data)]
-    up = [where(b, loss) for b, loss, (lo, _) in found if lo > 0]
-    down = [where(b, loss) for b, loss, (_, hi) in found if hi < 0]
+    found, side = sides(data)
+    up, down = ([where(b, loss) for b, loss, *_ in side[k]] for k in ("higher", "lower"))
     alike = lambda side: f" (all {side[0]})" if len(set(side)) == 1 and len(side) > 1 else ""  # noqa: E731
     return (
         f"- How far ahead (`tools/frontier.py`, {len(data['runs'])} runs, 3 seeds): at equal simulated time "

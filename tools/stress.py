@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import marked  # noqa: E402
 from course import finished  # noqa: E402
 from runlog import per_token, read_jsonl  # noqa: E402
-from sweep import t_interval  # noqa: E402
+from sweep import t_interval, verdict  # noqa: E402
 
 SEEDS = (0, 1, 2)
 HOLDS_LOSSES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po")  # stage 2's: grpo.LOSSES at issue 50
@@ -313,7 +313,7 @@ def readme_says():
         f"`stale --loss none` ends at {hit['final'][0]:.2f} pass@1 where `sync` reaches {sync['final'][0]:.2f} "
         f"({show_paired(hit['vs']['sync none']['final'])} points); the corrections recover part of it ([each with "
         "its interval](docs/course.md#when-lag-bites-the-stress-experiment)). At the long preset's own setting, "
-        f"{show_paired(d)}: {'cannot tell' if d[1] <= 0 <= d[2] else 'a difference'}."
+        f"{show_paired(d)}: {verdict(d[1], d[2])}."
     )
 
 

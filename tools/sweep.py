@@ -214,17 +214,14 @@ def paired(rows, a, b, value):
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
-def t_interval(d):
-    """The paired differences d's 95% interval by a paired t-test, mean ± t * sd / sqrt(n):
-    a second opinion beside the bootstrap, which is narrow on few seeds. None outside 2-11 seeds."""
-    if not 2 <= len(d) <= len(T975) + 1:
-        return None
-    h = T975[len(d) - 1] * statistics.stdev(d) / len(d) ** 0.5
-    return statistics.mean(d) - h, statistics.mean(d) + h
-
-
 # t(0.80, df): with T975, the difference a paired test of these seeds detects with 80% power
 T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
+
+
+def t_interval(d):
+    """The paired differences d's 95% interval by a paired t-test, mean ± t * sd / sqrt(n) (interval's):
+    a second opinion beside the bootstrap, which is narrow on few seeds. None outside 2-11 seeds."""
+    return interval(d)[1:3] if 2 <= len(d) <= len(T975) + 1 else None
 
 
 def interval(d):
@@ -241,8 +238,12 @@ def said(d):
     m, lo, hi, power = interval(d)
     if lo is None:
         return f"{m:+.1f} (one seed)"
-    verdict = "cannot tell" if lo <= 0 <= hi else ("higher" if lo > 0 else "lower")
-    return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict}; 80%: {power:.1f}"
+    return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict(lo, hi)}; 80%: {power:.1f}"
+
+
+def verdict(lo, hi):
+    """What an interval lets the write-up say: 'cannot tell' where it holds 0."""
+    return "cannot tell" if lo <= 0 <= hi else ("higher" if lo > 0 else "lower")
 
 
 def mean_std(values, fmt):
@@ -545,9 +546,10 @@ KEPT += ("gen_idle", "discarded", "recomputed", "rejected", "gen_share", "traine
 
 def record(rows, name, preset, tree=ROOT):
     """Each finished run's summary, a line of results/sweep.jsonl (once: recording again adds nothing)."""
+    where = dict(processor=marked.processor(), commit=marked.commit(tree))
     for r in rows:
-        line = dict({k: r[k] for k in KEPT}, sweep=name, preset=preset, eval_n=r["cfg"]["eval_n"])
-        line.update(right=round(r["acc1"] * line["eval_n"]), processor=marked.processor(), commit=marked.commit(tree))
+        line = dict({k: r[k] for k in KEPT}, sweep=name, preset=preset, eval_n=r["cfg"]["eval_n"], **where)
+        line.update(right=round(r["acc1"] * line["eval_n"]))
         marked.record("sweep", line, key=["sweep", "regime", "pool", "seed"])
     for page, table in marked.write(TABLES):
         print(f"wrote table {table} in {page}")
@@ -584,10 +586,7 @@ def finals_table():
             cells = [" / ".join(f"{v:.3f}" for v in finals), mean_std(finals, "{:.3f}"), rs[0]["processor"], source]
             lines.append([sweep, regime, pool, *cells])
     table = markdown(lines[0], lines[1:])
-    quoted = [
-        [f"{sweep}: {a} - {b}", said(difference(sweep, a, b)), str(len(difference(sweep, a, b)))]
-        for sweep, a, b in QUOTED
-    ]
+    quoted = [[f"{q[0]}: {q[1]} - {q[2]}", said(d), str(len(d))] for q in QUOTED for d in [difference(*q)]]
     return (
         table
         + "\n\n"

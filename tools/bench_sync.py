@@ -384,7 +384,8 @@ def bench_sync(args):
     print(
         f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
         f"the trainer blocked {push_s:.3f}s by a push vs {raw_s:.3f}s by a raw broadcast (medians of {args.rounds}) "
-        f"-> {push_s / raw_s:.2f}x (target <= {SYNC_TARGET}x)"
+        f"-> {push_s / raw_s:.2f}x "
+        + (f"(target <= {args.sync_target}x)" if args.sync_target != float("inf") else "(printed, not a target here)")
     )
     return push_s / raw_s, extra, plan
 
@@ -630,6 +631,12 @@ if __name__ == "__main__":
         default=PUSH_AHEAD_BYTES // 2**20,
         help="how far the engine's receiving runs ahead of vLLM's loader (preflight.PUSH_AHEAD_BYTES)",
     )
+    p.add_argument(
+        "--sync-target",
+        type=float,
+        default=SYNC_TARGET,
+        help="the push's ratio to miss ('inf': print it, fail only on memory; a loaded machine's ms: the tests)",
+    )
     p.add_argument("--gen-model", default="tiny", help="model for the generation benchmark ('tiny', 'smol', a path)")
     p.add_argument("--prompts", type=int, default=16, help="prompts for the generation benchmark (x8 answers each)")
     p.add_argument("--gen-device", default="auto")
@@ -646,8 +653,8 @@ if __name__ == "__main__":
         bench_provenance(args)
     if args.only in (None, "sync"):
         ratio, extra, plan = bench_sync(args)
-        if ratio > SYNC_TARGET:
-            missed.append(f"weight sync {ratio:.2f}x > {SYNC_TARGET}x")
+        if ratio > args.sync_target:
+            missed.append(f"weight sync {ratio:.2f}x > {args.sync_target}x")
         if extra > plan:
             missed.append(f"a push's memory {extra / 2**20:.0f} MiB > its plan's {plan / 2**20:.0f} MiB")
     if args.only in (None, "generate") and (ratio := bench_generate(args)) < GENERATE_TARGET:

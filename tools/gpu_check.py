@@ -242,7 +242,7 @@ def check_push(args):
         args.gen_device or "auto",
         "--train-device",
         args.train_device or "auto",
-    ]
+    ] + (["--sync-target", str(args.sync_target)] if args.sync_target is not None else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     lines = r.stdout.splitlines()
     sync = next((x for x in lines if x.startswith("weight sync")), None)
@@ -270,6 +270,13 @@ def main(argv=None):
     p.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
     p.add_argument("--skip-bench", action="store_true", help="skip check 3 (push vs raw broadcast)")
     p.add_argument("--bench-rounds", type=int, default=5, help="check 3: pushes and raw broadcasts, their medians")
+    p.add_argument(
+        "--sync-target",
+        type=float,
+        default=None,
+        help="check 3: the push's ratio it fails over (default bench_sync.py's; 'inf': printed, not checked, "
+        "as the tests run it: a loaded machine decides their ms)",
+    )
     args = p.parse_args(argv)
     results = []
 

@@ -7,8 +7,8 @@ the device plumbing a GPU run depends on, checked where a CPU can reach it.
 """
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 

@@ -79,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
 from runlog import per_token, read_jsonl  # noqa: E402
-from sweep import interval, said, verdict  # noqa: E402
+from sweep import interval, said, show_paired, verdict  # noqa: E402
 
 DATA = os.path.join(ROOT, "results", "frontier.jsonl")
 SEEDS, EXTRA_SEEDS = (0, 1, 2), (3, 4)
@@ -391,7 +391,7 @@ def grid_says(data=None):
     found, side = sides(data)
     said_ = {
         k: [
-            f"{where(b, loss)}, eta {eta}, {float(t):g} s: {m:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+            f"{where(b, loss)}, eta {eta}, {float(t):g} s: {show_paired((m, lo, hi))}"
             + (f", {n} seeds" if n > len(SEEDS) else "")
             for b, loss, eta, t, m, lo, hi, n in v
         ]

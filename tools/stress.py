@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import marked  # noqa: E402
 from course import finished  # noqa: E402
 from runlog import per_token, read_jsonl  # noqa: E402
-from sweep import t_interval, verdict  # noqa: E402
+from sweep import show_paired, t_interval, verdict  # noqa: E402
 
 SEEDS = (0, 1, 2)
 HOLDS_LOSSES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po")  # stage 2's: grpo.LOSSES at issue 50
@@ -161,10 +161,6 @@ def paired(a, b):
 def paired_t(a, b):
     """a - b over seeds: 'mean [low, high]' in points."""
     return show_paired(paired(a, b))
-
-
-def show_paired(d):
-    return f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]" if len(d) == 3 else f"{d[0]:+.1f}"
 
 
 def spread(values):

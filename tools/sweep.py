@@ -233,12 +233,17 @@ def interval(d):
     return m, m - T975[len(d) - 1] * se, m + T975[len(d) - 1] * se, (T975[len(d) - 1] + T80[len(d) - 1]) * se
 
 
+def show_paired(d):
+    """(mean, low, high) in points as the pages write it, 'mean [low, high]'; (mean,) alone as the mean."""
+    return f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]" if len(d) == 3 else f"{d[0]:+.1f}"
+
+
 def said(d):
     """A paired difference as the write-up says it: mean [low, high], and 'cannot tell' where the interval holds 0."""
     m, lo, hi, power = interval(d)
     if lo is None:
         return f"{m:+.1f} (one seed)"
-    return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict(lo, hi)}; 80%: {power:.1f}"
+    return f"{show_paired((m, lo, hi))} {verdict(lo, hi)}; 80%: {power:.1f}"
 
 
 def verdict(lo, hi):
@@ -598,12 +603,13 @@ def readme_sentence():
     """The README's sentence: the quoted comparisons, each no stronger than its interval, and the
     long preset's steps per minute, stale over drain (their means over the seeds)."""
     (level, cost) = (difference(*q) for q in QUOTED)
-    short = lambda d: said(d).split(";")[0].replace("] ", "], ")  # noqa: E731
-    cost_said = short(cost).replace("lower", "lower: asynchrony cost a little there")
+    (lv, cv) = (interval(d)[:3] for d in (level, cost))  # (mean, low, high)
+    short = lambda m, lo, hi: f"{show_paired((m, lo, hi))}, {verdict(lo, hi)}"  # noqa: E731
+    cost_said = short(*cv) + (": asynchrony cost a little there" if verdict(*cv[1:]) == "lower" else "")
     runs = recorded(QUOTED[0][0]).values()
     speed = {x: statistics.mean(r["steps_per_min"] for r in runs if r["regime"] == x) for x in ("stale", "drain")}
     return (
-        f"- In `train.py`, final pass@1: on the long preset `stale` - `recompute` is {short(level)} "
+        f"- In `train.py`, final pass@1: on the long preset `stale` - `recompute` is {short(*lv)} "
         f"({len(level)} seeds), and `stale` took {speed['stale'] / speed['drain']:.2f}x `drain`'s steps per minute "
         f"(two processes sharing 2 cores); on the default preset `recompute` - `sync` is {cost_said} ({len(cost)} "
         "seeds; [both](RESULTS.md#trainpys-sweeps-in-the-data-file))."

@@ -450,6 +450,7 @@ class Generator:
             elif (ev := self.eval_out.get(out.request_id)) is not None and not ev["ids"]:
                 prefilled += ev["prompt"]
         self.clock.spend("step", prefilled)
+        self.prefilled = prefilled  # what the step wrote in one go (the generator process logs it per step)
         t1, self.steps = self.clock.now(), self.steps + 1
         inflight, version, step = self.inflight, self.version, self.steps  # locals: this loop runs per answer per step
         tokens = rebuilt = 0

@@ -10,6 +10,7 @@ is drawn from these files (plot.py); checkpoint.py keeps them across a crash.
     answers.jsonl   one line per answer a step consumed or the pool rejected: its provenance
     eval_answers.jsonl  each evaluation's answers: the problem, the text, finished, right
     ledger.json     where the generated tokens and each process's time went (write_ledger)
+    generator-steps.jsonl  train.py: a line per engine step, what it held and took (generator_process.StepLog)
     ckpt/           train.py: the last checkpoint, Hugging Face format (checkpoint.py)
 
 metrics.jsonl, the keys both trainers write: step, wall_s (seconds since the start;

@@ -1,0 +1,126 @@
+"""
+Does the lesson's simulated clock keep time as the real trainer does? The five regimes on the
+default and the long preset, run by train.py (two processes, the wall clock; >= 3 seeds a cell:
+its run-to-run spread is part of the answer) and by lesson.py at the costs fitted from those same
+runs (tools/clock_costs.py), side by side.
+
+    .venv/bin/python tools/fidelity.py train             # train.py's runs, one at a time (alone on the machine)
+    .venv/bin/python tools/fidelity.py lesson COSTS...    # lesson.py's runs at those costs
+    .venv/bin/python tools/fidelity.py --table-only       # the table, from results/fidelity.jsonl
+
+Each run's summary goes onto results/fidelity.jsonl (its commit, processor, load average at its
+start and end); a finished run is not run again.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import marked  # noqa: E402
+from runlog import per_token, read_jsonl  # noqa: E402
+
+PRESETS = {"default": (), "long": ("--preset", "long")}
+REGIMES = ("sync", "drain", "discard", "stale", "recompute")
+SEEDS = (0, 1, 2)
+
+
+def summary(run):
+    """What a run's files say about its time and its tokens, the same for both programs. Its time
+    is counted from the end of start-up (train.py's process and engine start; the lesson has none)
+    to its last step, evaluations included: both spend that time."""
+    metrics = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    steps = [m for m in metrics if "trained_tokens" in m]
+    evals = [m for m in metrics if "eval_acc" in m]
+    ledger = json.load(open(os.path.join(run, "ledger.json")))
+    gen, trainer, total = ledger["seconds"].get("generator", {}), ledger["seconds"]["trainer"], ledger["total_s"]
+    tokens = ledger["tokens"]
+    seconds = steps[-1]["wall_s"] - ledger["startup_s"]
+    return dict(
+        steps=len(steps),
+        seconds=seconds,
+        steps_per_min=60 * len(steps) / seconds,
+        stale=per_token(steps, "stale_token_frac"),
+        lag=per_token(steps, "lag_mean"),
+        spanning=sum(m["spanning_frac"] for m in steps) / len(steps),
+        gen_idle=(gen.get("idle", 0) + gen.get("draining", 0)) / total,
+        gen_draining=gen.get("draining", 0) / total,
+        trainer_waiting=trainer.get("waiting", 0) / total,
+        trainer_training=trainer.get("training", 0) / total,
+        trainer_syncing=trainer.get("syncing", 0) / total,
+        recomputed=tokens["recomputed"] / tokens["generated"],
+        discarded=tokens["discarded"] / tokens["generated"],
+        final=evals[-1]["eval_acc"],
+        answers_md5=hashlib.md5(open(os.path.join(run, "answers.jsonl"), "rb").read()).hexdigest(),
+    )
+
+
+def finished(run):
+    try:
+        steps = json.load(open(os.path.join(run, "config.json")))["steps"]
+        return any(m.get("step") == steps for m in read_jsonl(os.path.join(run, "metrics.jsonl"))) and os.path.exists(
+            os.path.join(run, "ledger.json")
+        )
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def load():
+    return float(open("/proc/loadavg").read().split()[0])
+
+
+def run_all(program, extra, out):
+    for seed in SEEDS:
+        for preset, flags in PRESETS.items():
+            for regime in REGIMES:
+                run = os.path.join(out, program, f"{preset}-{regime}-s{seed}")
+                if finished(run):
+                    continue
+                args = [*flags, "--regime", regime, "--seed", str(seed), "--out", run, "--no-plot", *extra]
+                script = "train.py" if program == "train" else "lesson.py"
+                print(f"{time.strftime('%H:%M:%S')} {script} {' '.join(args)}", flush=True)
+                start, t0 = load(), time.time()
+                os.makedirs(os.path.dirname(run), exist_ok=True)
+                with open(run + ".log", "w") as f:
+                    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+                if r.returncode:
+                    raise SystemExit(f"{script} failed: see {run}.log")
+                row = dict(
+                    program=script,
+                    preset=preset,
+                    regime=regime,
+                    seed=seed,
+                    flags=extra,
+                    commit=marked.commit(),
+                    processor=marked.processor(),
+                    date=time.strftime("%Y-%m-%d %H:%M"),
+                    load_start=start,
+                    load_end=load(),
+                    run_s=round(time.time() - t0, 1),
+                    **summary(run),
+                )
+                marked.append("fidelity", row)
+                print(
+                    f"  {row['steps_per_min']:.1f} steps/min, stale {100 * row['stale']:.1f}%, "
+                    f"gen idle {100 * row['gen_idle']:.0f}%, load {start:.2f} -> {row['load_end']:.2f}",
+                    flush=True,
+                )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("program", choices=["train", "lesson"])
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "fidelity"))
+    a, extra = p.parse_known_args()  # the rest: flags for every run (the lesson's: its costs)
+    run_all(a.program, extra, a.out)
+
+
+if __name__ == "__main__":
+    main()

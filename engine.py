@@ -1,6 +1,6 @@
 """
 The generator's engine, driven one decode step at a time: what lesson.py drives in
-its own process and generator_process.py drives in the generator process.
+its own process and system/generator.py drives in the generator process.
 
 A vLLM engine in this process (make_engine), stepped by us, so that new weights can
 land between two decode steps; the answers in flight, each a Rollout that records,
@@ -133,7 +133,7 @@ class Rollout:
 
 def as_tensors(sample):
     """A finished answer's numpy arrays (Rollout.to_sample) as torch tensors, sharing their memory:
-    what the trainer puts in its pool (lesson.py; generator_process.GeneratorHandle, off the queue)."""
+    what the trainer puts in its pool (lesson.py; system.handle.GeneratorHandle, off the queue)."""
     import numpy as np
     import torch
 
@@ -188,7 +188,7 @@ def make_engine(cfg, worker_extension=None):
       finished when step() returns, logprobs and preemption counts) ran on V1; V2 has its
       own input and state handling that nothing here has run. So V1 on every platform, read
       back from the engine's config, as async scheduling is.
-    worker_extension: a class path vLLM mixes into its worker (generator_process.WeightReceiver
+    worker_extension: a class path vLLM mixes into its worker (system.push.WeightReceiver
     receives pushed weights there); None for an engine that loads them in this process."""
     from vllm import EngineArgs, LLMEngine
 
@@ -297,7 +297,7 @@ class Generator:
     (WallClock by default). receive(engine, version, weights): how new weights get into
     the engine (load_in_place by default; the generator process receives a broadcast).
     What only the generator process needs (a resumed run, several engines, the pool's
-    rejected groups, its queue's bound) is generator_process.ProcessGenerator's."""
+    rejected groups, its queue's bound) is system.generator.ProcessGenerator's."""
 
     proc, engine_id = "generator", 0  # its lane on the timeline (engine.lane), and which engine it is
 
@@ -412,7 +412,7 @@ class Generator:
 
     def may_admit(self):
         """AReaL's staleness bound: at most (version + max_lag + 1) batches of --prompts-per-step
-        groups admitted, + budget_offset (0 here; generator_process.ProcessGenerator sets it for a
+        groups admitted, + budget_offset (0 here; system.generator.ProcessGenerator sets it for a
         resumed run and the groups the pool rejected). The trainer takes groups in admission order
         (pool.Pool), so nothing admitted now is consumed more than max_lag versions after the
         weights that started it: this bounds the *generation* staleness of what is trained. And

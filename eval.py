@@ -15,7 +15,7 @@ import config
 from config import BASE, DEFAULTS, model_path
 from data import DATASETS, load_problems, prompt_ids
 from engine import vllm_env
-from preflight import check_budget, check_model
+from system.preflight import check_budget, check_model
 from reward import grade
 
 

@@ -530,7 +530,7 @@ def optimizer_step(model, opt, loss):
 
 
 # -----------------------------------------------------------------------------
-# what a step logs (metrics.jsonl: the run directory's contract, runlog.py)
+# what a step logs (metrics.jsonl: the run directory's contract, system/runlog.py)
 
 
 def batch_metrics(batch, adv, version):

@@ -72,9 +72,9 @@ from grpo import (
     train_step,
 )
 from pool import Pool, pool_stats
-from preflight import check_budget, check_model
+from system.preflight import check_budget, check_model
 from regimes import make_regime
-from runlog import Budgets, RunLog, step_line, write_ledger
+from system.runlog import Budgets, RunLog, step_line, write_ledger
 
 
 class SimClock:

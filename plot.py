@@ -37,7 +37,7 @@ import argparse
 import json
 import os
 
-from runlog import activity_spans, per_token, read_jsonl  # the run directory's files, read back
+from system.runlog import activity_spans, per_token, read_jsonl  # the run directory's files, read back
 
 COLOURS = {
     "starting": "white",
@@ -389,7 +389,7 @@ def plot_curves(groups, out, title=""):
 
 
 def plot_frontier(blocks, etas, out):
-    """tools/frontier.py's figure: blocks {title: {loss: [(pass@1 per seed, steps/min per seed)
+    """lab/frontier.py's figure: blocks {title: {loss: [(pass@1 per seed, steps/min per seed)
     per eta]}}, one row per block: pass@1 at the block's equal time against --max-lag (a line per
     loss, the mean; a band from the lowest to the highest seed) and steps/min against --max-lag
     (AReaL's Fig. 5c). --max-lag 0 is sync."""

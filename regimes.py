@@ -3,7 +3,7 @@ The five regimes: what happens to half-written answers when weights v+1 arrive.
 
 Each regime is one class with one method, `switch(gen, version, weights)`, called
 between two engine steps on every turn of the loop while new weights wait (lesson.py's
-loop, or the generator process's in generator_process.py: the same classes). It returns True
+loop, or the generator process's in system/generator.py: the same classes). It returns True
 once it has loaded them. Everything it may do to the generator (engine.Generator):
 
     gen.load_weights(version, weights)  load them in place, between two engine steps

@@ -1,6 +1,6 @@
 """
 Every regime end to end through train.py, as a user runs it: a few steps on CPU with
-the tiny model, then the run directory is checked against its contract (runlog.py's
+the tiny model, then the run directory is checked against its contract (system/runlog.py's
 docstring) and the regime's invariants against metrics.jsonl (tests/helpers.py's check_run,
 which test_smol.py and test_train.py::test_gpu_check_on_cpu use too); the stale run's answers figure and
 wasted-work ledger against its files. Also: Ctrl-C, a killed generator
@@ -68,7 +68,7 @@ def check_answers_figure_and_ledger(run, stdout):
     """The answers figure's lanes, and the wasted-work ledger's line and time shares (its token
     sums: check_run), checked against the run's own files."""
     from plot import plot_answers
-    from runlog import read_jsonl
+    from system.runlog import read_jsonl
 
     assert "wasted-work ledger" in stdout
     path, (sel,) = plot_answers([run], lanes=10)

@@ -6,15 +6,15 @@ generator gets new weights (--regime, see regimes.py).
     python train.py --regime stale --preset long               # long answers: stale tokens appear
     python train.py --regime recompute --dataset gsm8k         # Qwen3-0.6B, vLLM on GPU 0, trainer on GPU 1
     python train.py --resume out/<run>                         # continue a run where its checkpoint left it
-    torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines (ranks.py)
+    torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines (system/ranks.py)
 
-Two processes: this one (the trainer) and the generator (generator_process.py: a vLLM
+Two processes: this one (the trainer) and the generator (system/generator.py: a vLLM
 engine stepped one decode step at a time). Finished answers come over a bounded
 queue; new weights go to the vLLM worker by torch.distributed broadcast after
-every optimizer step. What guards the run before it starts is in preflight.py, where
-each process runs in devices.py, the run directory in runlog.py (the logs) and
-checkpoint.py (checkpoint, resume), what several trainer ranks add (torchrun, FSDP2) in
-ranks.py: one line each here. Read it with one process in mind: with one, each
+every optimizer step. What guards the run before it starts is in system/preflight.py, where
+each process runs in system/devices.py, the run directory in system/runlog.py (the logs) and
+system/checkpoint.py (checkpoint, resume), what several trainer ranks add (torchrun, FSDP2) in
+system/ranks.py: one line each here. Read it with one process in mind: with one, each
 ranks.* call is the identity.
 
 The algorithm is lesson.py's, on a simulated clock in one process there: read that
@@ -32,7 +32,7 @@ import time
 
 import config
 from data import UsageError, load_splits, prompt_ids
-from devices import prepare
+from system.devices import prepare
 from grpo import (
     LOGIT_CHUNK_BYTES,
     TrainingDiverged,
@@ -52,10 +52,10 @@ from grpo import (
     token_weights,
     train_step,
 )
-from preflight import check_budget, check_kv_plan, check_memory_plan, check_model
-from ranks import Ranks
-from checkpoint import cut_logs, load_trainer_state, resume_config, save_checkpoint
-from runlog import RunLog, step_line, write_ledger
+from system.preflight import check_budget, check_kv_plan, check_memory_plan, check_model
+from system.ranks import Ranks
+from system.checkpoint import cut_logs, load_trainer_state, resume_config, save_checkpoint
+from system.runlog import RunLog, step_line, write_ledger
 
 # -----------------------------------------------------------------------------
 # config: the algorithm's flags (config.py), then the processes' and devices'
@@ -97,7 +97,7 @@ def parse_config(argv=None):
         default=0,
         help="seconds a live generator may send nothing while the trainer waits for it, before both "
         "stop with its stack (0: from --max-new-tokens and its slowest engine step, "
-        "generator_process.GeneratorHandle.stall_bound)",
+        "system.watchdog.Watchdog.stall_bound)",
     )
     args = p.parse_args(argv)
     if args.resume:  # the saved config wins; only --steps may grow; it goes on from its checkpoint
@@ -116,16 +116,16 @@ def parse_config(argv=None):
 
 
 def main(argv=None):
-    # setup: every check before anything expensive (preflight.py), then the model, then the generator
+    # setup: every check before anything expensive (system/preflight.py), then the model, then the generator
     cfg = parse_config(argv)
     train_problems, test = load_splits(cfg)  # a bad file or flag stops the run here, in seconds
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from reward import scored
-    from generator_process import GeneratorHandle
+    from system.handle import GeneratorHandle
     from pool import Pool, pool_stats
 
-    ranks = Ranks()  # torchrun's trainer ranks, or this one process (ranks.py)
+    ranks = Ranks()  # torchrun's trainer ranks, or this one process (system/ranks.py)
     envs = prepare(cfg, ranks.world, ranks.local_rank)  # where each process runs, and what follows from it
     check_model(cfg["model_path"])
     check_budget(
@@ -235,7 +235,7 @@ def main(argv=None):
             adv, scores = score_batch(cfg, tokenizer, batch, version)
 
             # 3. loss and --minibatches optimizer steps, each on its part of the batch (micro-batches
-            # accumulate into one gradient); several trainer ranks: each takes its share of each part (ranks.py)
+            # accumulate into one gradient); several trainer ranks: each takes its share of each part (system/ranks.py)
             count = lambda answers: len(micro_batches(answers, cfg["micro_batch_tokens"]))
             parts = [
                 ranks.scatter(part, adv[idx], token_weights(cfg, part), count)  # token_weights: of the whole part
@@ -348,7 +348,7 @@ def pi_old(cfg, model, ranks, parts, device):
 
 
 def follow(cfg, model, opt, ranks, start_step, gen_dtype, device):
-    """Trainer ranks 1..K-1 under torchrun (ranks.py): each step, take the share of the
+    """Trainer ranks 1..K-1 under torchrun (system/ranks.py): each step, take the share of the
     batch rank 0 hands out, the same optimizer step, help gather the weights rank 0
     pushes and the checkpoints it saves. Rank 0 does everything else."""
     for step in range(start_step + 1, cfg["steps"] + 1):
@@ -366,7 +366,7 @@ def saves_at(cfg, step):
 
 if __name__ == "__main__":
     import signal
-    from generator_process import GeneratorDied
+    from system.watchdog import GeneratorDied
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, schedulers: stop as Ctrl-C does
     import faulthandler

@@ -198,29 +198,29 @@ MUTANTS = {
         ),
     ],
     # not an exercise: what the generator process adds to the max_lag exercise's bound
-    # (generator_process.ProcessGenerator's budget_offset and queue); graded by its own by-hand test (CHEAP below)
+    # (system.generator.ProcessGenerator's budget_offset and queue); graded by its own by-hand test (CHEAP below)
     "process_admission": [
         (
             "rejected groups not counted",
-            "generator_process.py",
+            "system/generator.py",
             'self.start_version * self.cfg["prompts_per_step"] + self.rejected',
             'self.start_version * self.cfg["prompts_per_step"]',
         ),
         (
             "versions counted from 0 (resume)",
-            "generator_process.py",
+            "system/generator.py",
             'return self.start_group - self.start_version * self.cfg["prompts_per_step"] + self.rejected',
             "return self.start_group + self.rejected",
         ),
         (
             "groups counted from 0 (resume)",
-            "generator_process.py",
+            "system/generator.py",
             "return self.start_group - self.start_version",
             "return -self.start_version",
         ),
         (
             "outbox full at queue_size + 1",
-            "generator_process.py",
+            "system/generator.py",
             "len(self.outbox) < self.queue_size",
             "len(self.outbox) <= self.queue_size",
         ),

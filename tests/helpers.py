@@ -35,8 +35,8 @@ def start(regime, *extra, tmp=None, **overrides):
     settings train.py refuses (temperature 0: greedy answers to compare with HF's). Its
     directory (stack file): out/test, one per pytest-xdist worker."""
     tmp = tmp or "out/test" + os.environ.get("PYTEST_XDIST_WORKER", "")
-    from devices import prepare
-    from generator_process import GeneratorHandle
+    from system.devices import prepare
+    from system.handle import GeneratorHandle
     from train import parse_config
 
     cfg = dict(parse_config(["--regime", regime, "--out", tmp, *extra]), **overrides)
@@ -144,7 +144,7 @@ def generator(regime, *args, process=False):
     from transformers import AutoTokenizer
     from data import load_problems
     from engine import Generator, make_engine
-    from generator_process import ProcessGenerator
+    from system.generator import ProcessGenerator
     from lesson import parse_config
     from regimes import make_regime
 
@@ -281,7 +281,7 @@ def check_sync_is_exact(model_args=(), tol=1e-3, posted=True):
         # 3. the guard can fail, both ways. (a) A tensor changes while its push is in flight
         # (an optimizer step before settle): one sign bit of the first tensor, flipped in place
         # once the push is posted; its version counter shows it, whenever the bytes went out.
-        import generator_process
+        import system.push
 
         sd = model.state_dict()
         gen.push(sd, wait=False)
@@ -293,7 +293,7 @@ def check_sync_is_exact(model_args=(), tol=1e-3, posted=True):
         # (b) What arrived is not what was sent: one bit changed on the way. The sender's
         # checksum is taken of the first tensor with its sign bit flipped (as if that bit had
         # flipped in transit): the engine's checksum of what arrived must differ from it.
-        real = generator_process.checksum
+        real = system.push.checksum
 
         def flipped_on_the_way(t):
             if not flipped:
@@ -303,13 +303,13 @@ def check_sync_is_exact(model_args=(), tol=1e-3, posted=True):
             return real(t)
 
         flipped = []
-        generator_process.checksum = flipped_on_the_way  # the push's checksum thread calls it
+        system.push.checksum = flipped_on_the_way  # the push's checksum thread calls it
         try:
             gen.push(model.state_dict(), wait=False)
             with pytest.raises(RuntimeError, match="are not the ones sent"):
                 gen.settle()
         finally:
-            generator_process.checksum = real
+            system.push.checksum = real
     finally:
         gen.stop()
 
@@ -320,7 +320,7 @@ def overlap_a_step(cfg, model, batch, settle):
     every weight), as train.py's loop calls it."""
     import train
     from grpo import token_weights
-    from ranks import Ranks
+    from system.ranks import Ranks
 
     adv = torch.tensor([1.0, -1.0] * (len(batch) // 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
@@ -422,7 +422,7 @@ LOSS_CFG = dict(
 )  # config.py's defaults
 
 # -----------------------------------------------------------------------------
-# the run directory against its contract (runlog.py's docstring)
+# the run directory against its contract (system/runlog.py's docstring)
 
 METRIC_KEYS = {
     "step",
@@ -482,7 +482,7 @@ def check_engines(run, n):
 
 
 def check_run(run, regime, steps):
-    """The run directory against its contract (runlog.py), and the regime's invariants
+    """The run directory against its contract (system/runlog.py), and the regime's invariants
     against its metrics (test_smoke.py, test_smol.py and test_ranks.py check their runs with it)."""
     assert not [f for f in os.listdir(run) if f.endswith("-stack.txt")], "a stack file no stall asked for"
     cfg = json.load(open(os.path.join(run, "config.json")))
@@ -543,15 +543,20 @@ def check_run(run, regime, steps):
 
 
 def project_modules():
-    """{module name: path} for the lesson (root) and the tools (tools.x)."""
+    """{module name: path}: the course at the root (lesson, train, ...), the system
+    (system.handle, ...), the tools (tools.x) and the lab (lab.x)."""
     mods = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
-    mods.update({"tools." + os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))})
+    for room in ("system", "tools", "lab"):
+        rooms = glob.glob(os.path.join(ROOT, room, "*.py"))
+        mods.update({f"{room}.{os.path.basename(p)[:-3]}": p for p in rooms if not p.endswith("__init__.py")})
     return mods
 
 
 def imports(path, mods):
     """The project modules `path` imports anywhere in it (functions included: a lazy
-    import still makes a circle)."""
+    import still makes a circle). A tool or a lab script imports its neighbours by their
+    bare names (its folder is on its path): `import marked` in lab/ is lab.marked."""
+    room = os.path.basename(os.path.dirname(path))
     found = set()
     for node in ast.walk(ast.parse(open(path).read())):
         names = []
@@ -559,6 +564,8 @@ def imports(path, mods):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if room in ("tools", "lab"):
+            names += [f"{room}.{n}" for n in names]
         found |= {n for n in names if n in mods}
     return found
 

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-import devices
+from system import devices
 import train
 from data import UsageError
 

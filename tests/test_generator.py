@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from generator_process import GeneratorDied
-from devices import prepare
+from system.watchdog import GeneratorDied
+from system.devices import prepare
 from helpers import check_sync_is_exact, collect, hf_model, start
 from train import parse_config
 
@@ -59,7 +59,7 @@ def test_killed_generator_is_noticed_fast():
 
 def test_push_with_nccl_waits(monkeypatch):
     """The weight group's works made to behave as NCCL's do on a GPU (the test hook
-    generator_process.nccl_wait_test_hook): wait() returns at once, and a collective a dead
+    system.push.nccl_wait_test_hook): wait() returns at once, and a collective a dead
     peer broke never completes. A push returns once the engine has joined it (drain: after its
     answers in flight finished; train.py's sync_s), settle() gets the engine's acknowledgement
     and checksums, and the engine samples under the new version; the engine killed halfway
@@ -94,7 +94,7 @@ def test_process_admission_bound_by_hand():
     each term moves it. (The rejected term was once missing: counted as admitted, rejected
     groups let PACE reject once and never again.) And only while the queue holds fewer than
     queue_size finished answers."""
-    from generator_process import ProcessGenerator
+    from system.generator import ProcessGenerator
 
     def may_admit(**kw):
         gen = ProcessGenerator.__new__(ProcessGenerator)

@@ -80,7 +80,7 @@ def test_memory_plan_counts_what_a_push_holds():
     nothing on one float32 CPU rank (the parameters go out themselves); over gloo from a GPU
     one tensor at a time."""
     from grpo import LOGIT_CHUNK_BYTES
-    from preflight import PUSH_SEND_BYTES, memory_plan
+    from system.preflight import PUSH_SEND_BYTES, memory_plan
 
     copies, gather = "the push's copies (until the next optimizer step)", "the push's FSDP2 gather (fp32, one tensor)"
     gpu = dict(trainer_device="cuda:0", micro_batch_tokens=16384)
@@ -109,7 +109,7 @@ def test_memory_plan_on_a_gpu_shared_with_an_engine(monkeypatch, capsys):
     taken from what is free, and a trainer that fits the free memory alone but not beside
     the engine stops, saying so (the old check compared with the free memory whole). Two
     GPUs faked; the tiny model's plans."""
-    from preflight import check_memory_plan, engine_plan, memory_plan
+    from system.preflight import check_memory_plan, engine_plan, memory_plan
     from transformers import AutoConfig
 
     cfg = dict(

@@ -1,5 +1,5 @@
 """
-The push's guard (generator_process.checksum): what it costs per tensor, and that it sees
+The push's guard (system.push.checksum): what it costs per tensor, and that it sees
 every bit. No engine: the meta device for Qwen3-0.6B's shapes, small CPU tensors for the rest.
 That a push which arrives other than sent raises in settle() is test_generator.py's
 test_sync_is_exact (helpers.check_sync_is_exact, part 3), with a real engine.
@@ -9,7 +9,7 @@ test_sync_is_exact (helpers.check_sync_is_exact, part 3), with a real engine.
 
 import torch
 
-from generator_process import checksum
+from system.push import checksum
 from tools.bench_train import QWEN3
 from tools.bench_sync import guard_ops  # what bench_sync.py prints per push, counted the same way
 

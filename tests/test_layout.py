@@ -40,12 +40,28 @@ def test_no_import_circle():
             visit(m, [m])
 
 
-def test_the_lesson_imports_no_tool():
+ROOMS = ("system", "tools", "lab")  # beside the course at the root
+
+
+def room(m):
+    """The room a module lives in: "course" (the root), "system", "tools" or "lab"."""
+    return m.split(".")[0] if m.split(".")[0] in ROOMS else "course"
+
+
+def test_no_import_runs_up():
+    """The rooms stand in order, each importing only from the rooms below it (and itself): the lab
+    (experiments, data, notes) on top, imported by nothing outside it; then the tools; then the
+    course's programs at the root; the system (processes, ranks, devices, the run directory) under
+    them, which imports no program (lesson, train, eval), no tool and nothing of the lab."""
     g = graph()
-    lesson = [m for m in g if not m.startswith("tools.")]
-    assert len(lesson) >= 8 and "train" in lesson
-    bad = {m: sorted(n for n in g[m] if n.startswith("tools")) for m in lesson}
-    assert not any(bad.values()), {m: n for m, n in bad.items() if n}
+    assert {"lesson", "train", "system.handle", "tools.exercise", "lab.marked"} <= set(g), sorted(g)
+    above = {"course": {"tools", "lab"}, "system": {"tools", "lab"}, "tools": {"lab"}, "lab": set()}
+    bad = sorted(f"{m} imports {n}" for m in g for n in g[m] if room(n) in above[room(m)])
+    bad += sorted(f"{m} imports {n}" for m in g if room(m) == "system" for n in g[m] if n in PROGRAMS)
+    assert not bad, bad
+
+
+PROGRAMS = ("lesson", "train", "eval")  # what a user runs at the root
 
 
 def test_the_circle_check_can_fail(tmp_path, monkeypatch):
@@ -185,12 +201,10 @@ FLOORS = 5  # issue 42: 6 before (train -> ranks -> generator -> grpo -> reward 
 
 
 def test_import_floors():
-    """The lesson's modules (the root) stand on at most FLOORS floors: the longest chain of
-    imports (lazy ones included) is lesson or train -> config -> grpo -> reward -> data. A
+    """The course's modules (the root) stand on at most FLOORS floors among themselves: the longest
+    chain of imports (lazy ones included) is lesson or train -> config -> grpo -> reward -> data. A
     helper lives beside what it serves, not in a module that pulls its importer up a floor."""
-    g = {
-        m: {n for n in deps if not n.startswith("tools.")} for m, deps in graph().items() if not m.startswith("tools.")
-    }
+    g = {m: {n for n in deps if room(n) == "course"} for m, deps in graph().items() if room(m) == "course"}
     chain = longest_chain(g)
     print("longest import chain:", " -> ".join(chain))
     assert len(chain) <= FLOORS, f"{len(chain)} floors: " + " -> ".join(chain)
@@ -212,10 +226,10 @@ def drawing_names():
 
 
 def test_only_drawing_imports_plot():
-    """plot.py draws; reading the run directory is runlog.py's. A module of the lesson or a
+    """plot.py draws; reading the run directory is system/runlog.py's. A module of the lesson or a
     tool imports from plot only what draws (drawing_names: a plot_* figure or a palette),
     by name, never the module whole; so nothing that writes or reads a run pulls in the
-    figures (runlog.py and checkpoint.py used to, for read_jsonl)."""
+    figures (system/runlog.py and system/checkpoint.py used to, for read_jsonl)."""
     allowed, bad = drawing_names(), []
     assert {"plot_run", "plot_answers", "plot_curves", "COLOURS"} <= allowed, allowed
     for m, path in project_modules().items():

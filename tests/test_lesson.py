@@ -21,7 +21,7 @@ import torch
 
 import lesson
 from helpers import ROOT, SITTING_MODULES, first_sitting, graph
-from runlog import activity_spans
+from system.runlog import activity_spans
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
@@ -69,10 +69,11 @@ def test_lesson_is_short_and_imports_no_process_machinery():
         if m not in seen:
             seen.add(m)
             todo += g[m]
-    assert {"engine", "regimes", "pool", "grpo", "reward", "data", "config", "runlog"} <= seen
-    assert not seen & {"generator_process", "ranks", "checkpoint", "devices", "train"}, seen
+    assert {"engine", "regimes", "pool", "grpo", "reward", "data", "config", "system.runlog"} <= seen
+    machinery = {"system.generator", "system.handle", "system.push", "system.watchdog", "system.ranks"}
+    assert not seen & {*machinery, "system.checkpoint", "system.devices", "train"}, seen
     for m in seen:
-        text = open(os.path.join(ROOT, m + ".py")).read()
+        text = open(os.path.join(ROOT, m.replace(".", "/") + ".py")).read()
         for bad in ("multiprocessing", "torch.distributed", "import signal", "faulthandler"):
             assert bad not in text, f"{m}.py mentions {bad}"
 
@@ -223,7 +224,7 @@ def test_the_step_is_train_pys(flags, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import train
     from grpo import minibatches, score_batch, token_weights
-    from ranks import Ranks
+    from system.ranks import Ranks
 
     cfg = lesson.parse_config(flags)
     tok = AutoTokenizer.from_pretrained(cfg["model_path"])

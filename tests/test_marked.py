@@ -1,6 +1,6 @@
 """
 Every marked table of README.md, docs/course.md and RESULTS.md is what its builder makes of the
-committed data (results/<tool>.jsonl): a digit typed by hand, a copy that drifted from its
+committed data (lab/data/<tool>.jsonl): a digit typed by hand, a copy that drifted from its
 original, a block nobody builds, or a builder whose block was deleted, fails here.
 
     .venv/bin/python -m pytest -q tests/test_marked.py
@@ -15,7 +15,7 @@ import pytest
 
 from helpers import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "lab"))
 import marked  # noqa: E402
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)

@@ -1,5 +1,5 @@
 """
-Past two processes: trainer ranks under torchrun (FSDP2, ranks.py) and several vLLM
+Past two processes: trainer ranks under torchrun (FSDP2, system/ranks.py) and several vLLM
 engines, on CPU over gloo, the same code that runs NCCL on GPUs. One step on 2 ranks
 over a split batch is the step one process takes on the whole batch; a push from 2
 ranks reaches 2 engines exactly; the death of an engine or a rank ending the whole job,
@@ -92,7 +92,7 @@ def grads_job(out, *cases):
     import torch.distributed as dist
     import grpo
     import train
-    from ranks import Ranks
+    from system.ranks import Ranks
 
     torch.set_num_threads(1)
     ranks = Ranks()
@@ -189,9 +189,9 @@ def sync_job(out):
     weights and push them (rank 0 broadcasts what both gathered); rank 0 collects greedy
     answers written by them from both engines."""
     from helpers import collect, hf_logprobs, hf_model, perturbed
-    from generator_process import GeneratorHandle
-    from devices import prepare
-    from ranks import Ranks
+    from system.handle import GeneratorHandle
+    from system.devices import prepare
+    from system.ranks import Ranks
     from train import parse_config
 
     ranks = Ranks()

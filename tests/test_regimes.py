@@ -69,7 +69,7 @@ def test_sync_is_on_policy():
 
 def test_waiting_for_the_other_engines_is_idle_not_loading():
     """With several engines a push starts once the last one has joined it (the receiver
-    says when: generator_process.WeightReceiver): an engine that finished draining first waits,
+    says when: system.push.WeightReceiver): an engine that finished draining first waits,
     and that wait is idle time on its timeline and in gen_idle_s, not loading."""
     from lesson import SimClock
 

@@ -158,8 +158,8 @@ def test_crash_while_saving_leaves_a_checkpoint(tmp_path, monkeypatch):
     import shutil
     import torch
     from transformers import AutoModelForCausalLM
-    import checkpoint
-    from ranks import Ranks
+    from system import checkpoint
+    from system.ranks import Ranks
     from tools.build_tiny import RECIPE, build_model, build_tokenizer
 
     tok = build_tokenizer()
@@ -383,7 +383,7 @@ def test_an_engine_that_never_joins_the_weight_group_is_stopped(tmp_path):
 
 
 # the weight group's waits as they are on CPU (gloo's: wait() blocks, a dead peer fails the collective),
-# and as NCCL's are on a GPU (generator_process.nccl_wait_test_hook): the same reports within the same bounds
+# and as NCCL's are on a GPU (system.push.nccl_wait_test_hook): the same reports within the same bounds
 WAITS = [pytest.param({}, id="gloo"), pytest.param({"INFLIGHT_TEST_NCCL_WAITS": "1"}, id="nccl-waits")]
 
 

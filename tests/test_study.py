@@ -1,5 +1,5 @@
 """
-The teacher-forcing study (study.py) against independent computations: a plain
+The teacher-forcing study (lab/study.py) against independent computations: a plain
 Hugging Face cache continuation for p_stale, and a cache-free forward of v+1 whose
 upper layers get v's keys and values patched in by hooks for p_partial(k).
 Tiny model, float32, CPU, ~15 s.
@@ -10,11 +10,13 @@ Tiny model, float32, CPU, ~15 s.
 import copy
 import json
 import os
+import sys
 
 import pytest
 import torch
 
-import study
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lab"))
+import study  # noqa: E402
 
 TOL = 1e-4  # float32 log-probs computed along different paths (cache vs none, spliced vs not)
 
@@ -158,12 +160,9 @@ def test_identical_weights_give_zero_kl(tmp_path):
 
 
 def test_record_appends_what_the_run_printed_once(tmp_path, monkeypatch):
-    """--record: the run's summary becomes one line of results/study.jsonl (here a file in
+    """--record: the run's summary becomes one line of lab/data/study.jsonl (here a file in
     tmp_path) and the pages' study tables are rewritten; recording the same run again adds
-    nothing; the tables read plain `python study.py --seed S` runs only, not this 2-prompt one."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(study.__file__)), "tools"))
+    nothing; the tables read plain `python lab/study.py --seed S` runs only, not this 2-prompt one."""
     import marked
 
     monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))

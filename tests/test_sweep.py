@@ -1,5 +1,5 @@
 """
-tools/sweep.py end to end, small: two regimes x one seed of 3 steps each, evaluated every
+lab/sweep.py end to end, small: two regimes x one seed of 3 steps each, evaluated every
 step, in a subprocess; then its tables and figures. Two train.py runs, ~30 s on 2 cores.
 
     .venv/bin/python -m pytest -q tests/test_sweep.py
@@ -17,7 +17,7 @@ def test_sweep_writes_tables_and_figures(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            "tools/sweep.py",
+            "lab/sweep.py",
             "default",
             "--regimes",
             "sync",
@@ -63,7 +63,7 @@ def test_sweep_writes_tables_and_figures(tmp_path):
     # no long runs: no contrast; a second call finds both runs finished and runs nothing
     assert not os.path.exists(os.path.join(out, "contrast.md"))
     r = subprocess.run(
-        [sys.executable, "tools/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0", "--out", out],
+        [sys.executable, "lab/sweep.py", "default", "--regimes", "sync", "stale", "--seeds", "0", "--out", out],
         capture_output=True,
         text=True,
         timeout=120,
@@ -73,7 +73,7 @@ def test_sweep_writes_tables_and_figures(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            "tools/sweep.py",
+            "lab/sweep.py",
             "default",
             "--regimes",
             "stale",
@@ -98,7 +98,7 @@ def test_sweep_writes_tables_and_figures(tmp_path):
 def test_time_to_and_paired_by_hand():
     """The analysis' two measures, against numbers worked by hand: time to target on the
     3-eval smoothed curve, interpolated; a paired difference and its bootstrap interval."""
-    from tools.sweep import paired, smooth, time_to
+    from lab.sweep import paired, smooth, time_to
 
     curve = [(0, 0.40), (100, 0.46), (200, 0.52), (300, 0.58)]
     # smoothed: 0.43, 0.46, 0.52, 0.55; 0.50 is crossed between 100 s and 200 s, a third of the way
@@ -118,7 +118,7 @@ def test_time_to_and_paired_by_hand():
 def test_analysis_says_the_difference_as_a_share():
     """Each comparison also as a share of the second regime's mean over the paired seeds,
     worked by hand: steps/min 30, 33, 36 against 20, 22, 24 is +11 = +50% of 22."""
-    from tools.sweep import analysis
+    from lab.sweep import analysis
 
     curve = [(0, 0.5), (100, 0.6)]
     rows = [
@@ -137,7 +137,7 @@ def test_pace_columns_and_claims_by_hand(tmp_path):
     """A pace sweep's tables say what PACE threw away and where it stands on its two claims,
     run by run: groups rejected per group trained, the trained answers' mean length
     (answers.jsonl), and CPU-seconds to the target on the smoothed CPU-time curve, worked by hand."""
-    from tools.sweep import analysis, runs_table
+    from lab.sweep import analysis, runs_table
 
     def run(regime, pool, seed, cpu_curve, groups_rejected):
         folder = tmp_path / f"{regime}-{pool}-s{seed}"
@@ -183,13 +183,13 @@ def test_pace_columns_and_claims_by_hand(tmp_path):
 
 
 def test_frontier_rule_by_hand():
-    """tools/frontier.py's rule, on numbers worked by hand (multiples of 1/8, so that means tie
+    """lab/frontier.py's rule, on numbers worked by hand (multiples of 1/8, so that means tie
     exactly): the highest mean pass@1 at the last budget, a tie to the setting listed first;
     beside it every setting whose paired 95% t interval holds 0. `stale` 1, `recompute` 1 and
     `stale` 2 all average 0.625: `stale` 1 is listed first. `recompute` 1 differs from it by
     -12.5, +12.5, 0 points (the interval holds 0), `stale` 2 by 0, 0, 0 ([0, 0] holds 0);
     `sync` by -12.5 at every seed ([-12.5, -12.5], without 0)."""
-    from tools.frontier import best_setting
+    from lab.frontier import best_setting
 
     accs = {
         ("sync", 0): [0.5, 0.375, 0.625],
@@ -206,7 +206,7 @@ def test_frontier_says_intervals_and_power_by_hand():
     """d = 1, 2, 3 points: mean 2, sd 1, se 1/sqrt(3) = 0.5774; the 95% interval 2 ± 4.303 x
     0.5774 = 2 ± 2.48 = [-0.5, +4.5] holds 0: "cannot tell"; the difference 3 seeds detect with 80% power
     is (4.303 + 1.061) x 0.5774 = 3.1 (not the half-width, 2.5). d = 4, 5, 6: [+2.5, +7.5], above 0."""
-    from tools.frontier import said
+    from lab.frontier import said
 
     assert said([1, 2, 3]) == "+2.0 [-0.5, +4.5] cannot tell; 80%: 3.1"
     assert said([4, 5, 6]) == "+5.0 [+2.5, +7.5] higher; 80%: 3.1"
@@ -216,7 +216,7 @@ def test_frontier_says_intervals_and_power_by_hand():
 def test_frontier_tables_come_from_the_data_file_alone(tmp_path):
     """With no runs recorded, every table and the decision table say how many runs are missing,
     and nothing is read from out/."""
-    from tools.frontier import decision, read_data, tables
+    from lab.frontier import decision, read_data, tables
 
     data = read_data(str(tmp_path / "none.jsonl"))
     assert data == dict(budgets={}, runs={})
@@ -225,11 +225,11 @@ def test_frontier_tables_come_from_the_data_file_alone(tmp_path):
 
 
 def test_record_keeps_each_run_once_and_the_quoted_difference_is_paired(tmp_path, monkeypatch):
-    """sweep.record: a line per finished run in results/sweep.jsonl (here in tmp_path), its
+    """sweep.record: a line per finished run in lab/data/sweep.jsonl (here in tmp_path), its
     right answers exact, recorded once however often the sweep is tabled; difference() pairs
     by seed and leaves out a seed one regime lacks: by hand, 100 x (0.75 - 0.5) = +25 at seed
     0 and 100 x (0.5 - 0.5) = 0 at seed 1; seed 2 has stale only."""
-    from tools import sweep
+    from lab import sweep
 
     marked = sweep.marked  # the module sweep writes through (tools/ on its path: not tools.marked)
     monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
@@ -250,7 +250,7 @@ def test_frontier_counts_its_intervals_by_hand():
     """The course's and the README's count of stale - recompute intervals, on one block of made-up
     runs at one budget: at eta 1 stale leads by 10, 9, 8 points (an interval above 0); at eta 2 it
     trails by 10, 9, 8; at eta 4 and 8 the differences are +1, -1, 0 (intervals holding 0)."""
-    from tools.frontier import cell_name, grid_says, readme_says
+    from lab.frontier import cell_name, grid_says, readme_says
 
     block, loss = "gen-slower-lr-x4", "ppo"
     runs = {}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import grpo
-import checkpoint
+from system import checkpoint
 from helpers import LOSS_CFG, ROOT, batch_of, small_model, with_logprobs
 
 
@@ -237,7 +237,7 @@ def test_buffer_device_follows_backend():
     """torch names backends in lowercase: the receive buffers must not depend on "NCCL"."""
     import tempfile
     import torch.distributed as dist
-    from generator_process import buffer_device
+    from system.push import buffer_device
 
     assert dist.ProcessGroupGloo(dist.FileStore(tempfile.mktemp(), 1), 0, 1).name() == "gloo"
     assert buffer_device("nccl", "cuda:0") == "cuda:0"

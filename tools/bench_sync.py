@@ -22,7 +22,7 @@ ratio misses its target (or a push's memory its plan), so a regression shows whe
    torch's allocated CUDA memory; each push's peak above where it stood before it, against
    preflight.engine_plan, which a push must stay within. The process's resident memory is
    printed beside it, not checked: it is where glibc's heap happens to stand (RESULTS.md).
-2. generation: generator_process.py's step loop (one engine.step() at a time, per-token
+2. generation: system/generator.py's step loop (one engine.step() at a time, per-token
    bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
 3. provenance (--only provenance): the step loop with the per-answer record
    (Rollout.record's run-length segments, answers.jsonl) vs the same loop with a
@@ -38,11 +38,11 @@ from statistics import median_high
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
-from preflight import PUSH_AHEAD_BYTES  # noqa: E402  (imports neither torch nor vLLM)
+from system.preflight import PUSH_AHEAD_BYTES  # noqa: E402  (imports neither torch nor vLLM)
 
 
 # sync: the engine posts its receives up to --push-ahead-mib ahead of vLLM's reload
-# (generator_process.WeightReceiver), so the trainer waits for the load only where the engine falls
+# (system.push.WeightReceiver), so the trainer waits for the load only where the engine falls
 # that far behind: 0.9x a raw broadcast when the engine received everything into a copy it
 # kept; 1.75-2.3x when it received each tensor only once the loader had loaded the previous
 # one (RESULTS.md, "Receive buffers"); 1.59x with 64 MiB ahead ("Run-ahead receive")
@@ -53,7 +53,8 @@ def raw_receiver(host, port, backend, specs, rounds):
     """The baseline's receiving end: join a two-member group and receive, nothing else.
     On CPU it keeps to the cores the generator gets, as vLLM's worker does."""
     import torch
-    from generator_process import init_weight_group, keep_to_gen_cores
+    from system.push import init_weight_group
+    from system.generator import keep_to_gen_cores
 
     keep_to_gen_cores()
     group = init_weight_group(host, port, 1, 2, backend)
@@ -88,7 +89,7 @@ class MallInfo2:
 
 
 def heap_probed_generator(cfg, samples_q, control_q, joined):
-    """generator_process.generator_main, with the vLLM worker's receive_weights wrapped:
+    """system.generator.generator_main, with the vLLM worker's receive_weights wrapped:
     a thread samples the process's live memory every 1 ms from its start until it returns
     (the last module loaded), and the push's (before, peak, after) in bytes is appended to
     cfg["heap_log"], one JSON line per push. On CPU, live = MallInfo2.live(): the received
@@ -98,9 +99,10 @@ def heap_probed_generator(cfg, samples_q, control_q, joined):
     and its peak."""
     import json
     import threading
-    import generator_process
+    import system.generator
+    import system.push
 
-    receive = generator_process.WeightReceiver.receive_weights
+    receive = system.push.WeightReceiver.receive_weights
 
     def receive_weights(self, version, specs, ahead_bytes):
         import torch
@@ -127,8 +129,8 @@ def heap_probed_generator(cfg, samples_q, control_q, joined):
             with open(cfg["heap_log"], "a") as f:
                 f.write(json.dumps(dict(version=version, before=before, peak=peak[0], after=live())) + "\n")
 
-    generator_process.WeightReceiver.receive_weights = receive_weights
-    generator_process.generator_main(cfg, samples_q, control_q, joined)
+    system.push.WeightReceiver.receive_weights = receive_weights
+    system.generator.generator_main(cfg, samples_q, control_q, joined)
 
 
 def guard_ops(tensors):
@@ -139,7 +141,7 @@ def guard_ops(tensors):
     import collections
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from generator_process import checksum
+    from system.push import checksum
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -161,7 +163,7 @@ def guard_cost(tensors, rounds=5):
     """The guard of one push on one side, alone: (seconds, median of `rounds`; ops dispatched;
     of which kernels). On a GPU the seconds are the GPU's (synchronized), not the CPU's launches."""
     import torch
-    from generator_process import checksum
+    from system.push import checksum
 
     took = []
     for _ in range(rounds):
@@ -187,11 +189,12 @@ def bench_sync(args):
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
-    import generator_process
-    from generator_process import GeneratorHandle, init_weight_group, spawn_with_env
-    from ranks import weight_specs
-    from preflight import engine_plan
-    from devices import prepare
+    import system.handle
+    from system.handle import GeneratorHandle, spawn_with_env
+    from system.push import init_weight_group
+    from system.ranks import weight_specs
+    from system.preflight import engine_plan
+    from system.devices import prepare
     from train import parse_config
 
     path = args.sync_model
@@ -271,12 +274,12 @@ def bench_sync(args):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    generator_main = generator_process.generator_main
-    generator_process.generator_main = heap_probed_generator  # what GeneratorHandle spawns, for this run
+    generator_main = system.handle.generator_main
+    system.handle.generator_main = heap_probed_generator  # what GeneratorHandle spawns, for this run
     try:
         gen = GeneratorHandle(cfg, [env])
     finally:
-        generator_process.generator_main = generator_main
+        system.handle.generator_main = generator_main
     engine = psutil.Process(gen.procs[0].pid)  # the generator process: its vLLM worker runs in it
     memory = []  # per push: (resident peak - resident before, resident 1 s after - before), bytes
     heap = []  # per push: heap_probed_generator's line
@@ -376,7 +379,7 @@ def bench_sync(args):
     )
     guard_s, ops, kernels = guard_cost(send)
     print(
-        f"  the guard's checksum (generator_process.checksum, each side of a push; the trainer's on a thread of "
+        f"  the guard's checksum (system.push.checksum, each side of a push; the trainer's on a thread of "
         f"its own): {ops} ops dispatched for {len(send)} tensors "
         f"({ops / len(send):.1f} a tensor, {kernels} of them kernels), {guard_s:.4f}s alone (median of 5) "
         f"-> {guard_s / raw_s:.3f}x the raw broadcast"
@@ -431,7 +434,7 @@ def bench_generate(args):
     from vllm import LLM, SamplingParams
     from data import load_problems, prompt_ids
     from engine import Generator, make_engine
-    from devices import prepare
+    from system.devices import prepare
     from train import parse_config
 
     cfg = parse_config(
@@ -518,7 +521,7 @@ def bench_provenance(args):
     from transformers import AutoTokenizer
     from data import load_problems
     from engine import Generator, Rollout, make_engine
-    from devices import prepare
+    from system.devices import prepare
     from train import parse_config
 
     cfg = parse_config(

@@ -102,7 +102,7 @@ def make_batch(shape, worst_case, vocab, seed=0):
 def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
     """The README's table: GiB per trainer rank on a GPU, by model and number of ranks."""
     from transformers import AutoConfig
-    from preflight import memory_plan
+    from system.preflight import memory_plan
     from grpo import LOGIT_CHUNK_BYTES
 
     cfg = dict(trainer_device="cuda:0", micro_batch_tokens=micro_batch_tokens)
@@ -117,7 +117,7 @@ def print_plans(micro_batch_tokens, world_sizes=(1, 2, 4, 8)):
         plans = [memory_plan(cfg, config, LOGIT_CHUNK_BYTES, k) for k in world_sizes]
         n = plans[0]["weights + grads (fp32)"] / 8
         print(f"| {name} | {n / 1e9:.2f}B | " + " | ".join(f"{sum(p.values()) / 2**30:.1f}" for p in plans) + " |")
-    from preflight import engine_plan
+    from system.preflight import engine_plan
 
     print(
         "\n| GiB per generator engine, beside vLLM's share of its GPU | parameters (bf16) | a push's buffers, now "
@@ -158,7 +158,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from preflight import memory_plan
+    from system.preflight import memory_plan
     from grpo import LOGIT_CHUNK_BYTES, activation_checkpointing, micro_batches, token_weights, train_step
 
     if args.plan:

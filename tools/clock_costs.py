@@ -29,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runlog import activity_spans, read_jsonl  # noqa: E402
+from system.runlog import activity_spans, read_jsonl  # noqa: E402
 
 
 def clean_until(answers, engines):

@@ -50,7 +50,7 @@ def check_devices(args):
     free) or the trainer would fail minutes later, after their loads."""
     import torch
     from data import UsageError
-    from devices import plan_devices
+    from system.devices import plan_devices
 
     try:
         gens, trains, shared = plan_devices(
@@ -76,8 +76,8 @@ def check_sync(args):
     compare vLLM's logprobs with the trainer's."""
     import torch
     from transformers import AutoModelForCausalLM
-    from generator_process import GeneratorHandle
-    from devices import prepare
+    from system.handle import GeneratorHandle
+    from system.devices import prepare
     from grpo import answer_logprobs
     from train import parse_config
 

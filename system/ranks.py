@@ -37,7 +37,7 @@ from datetime import timedelta
 
 def weight_specs(state_dict, dtype=None):
     """(name, dtype, shape) of every tensor, in send order (Ranks.weights; the push sends
-    these first: generator_process.GeneratorHandle.push). We send the state_dict,
+    these first: system.handle.GeneratorHandle.push). We send the state_dict,
     not named_parameters(): the latter leaves out tied weights (lm_head.weight on
     Qwen3-0.6B and the tiny model), and vLLM then keeps its load-time copy."""
     return [(k, str(dtype or v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state_dict.items()]
@@ -209,7 +209,7 @@ class Ranks:
         dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=os.path.join(path, "optimizer"))
 
     def load_optimizer(self, model, opt, state, path):
-        """--resume: the optimizer state that save_optimizer (or, one rank, checkpoint.py) wrote."""
+        """--resume: the optimizer state that save_optimizer (or, one rank, system/checkpoint.py) wrote."""
         from data import UsageError
 
         saved = state.get("world", 1)

@@ -11,7 +11,7 @@ It protects the user from:
   (check_budget: the longest prompt + --max-new-tokens must fit --max-model-len);
 - a trainer that runs out of GPU memory after the model loaded (check_memory_plan),
   and a KV cache that cannot hold one group (check_kv_plan).
-Where each process runs is devices.py's.
+Where each process runs is system/devices.py's.
 
 train.py and lesson.py call one of these per line of their setup; this file says how each works.
 """
@@ -117,7 +117,7 @@ def push_plan(state_dict, on_gpu, world=1, backend="nccl"):
     lm_head.weight is its embedding again, 0.31 GB of bf16 that parameters() counts once).
     Each tensor goes out as a new tensor in the generator's dtype (bf16 on a GPU), or under
     FSDP2 as the float32 tensor gathered from the shards (DTensor.full_tensor); one float32
-    rank on CPU sends its parameters themselves. generator_process.send_weights holds what it
+    rank on CPU sends its parameters themselves. system.push.send_weights holds what it
     posted until it has gone out, at most PUSH_SEND_BYTES (a tensor larger than that alone),
     and GeneratorHandle.settle lets them go: the next step's optimizer step, so they are
     held through that step's forward and backward. Over gloo from a GPU each tensor is moved
@@ -147,13 +147,13 @@ def head_size(config):
 # How far an engine's receiving runs ahead of vLLM's loader: bytes received and not yet
 # loaded, beyond the module vLLM is building. The trainer waits for the load only when the
 # engine is this far behind; the engine holds this much more memory during a push
-# (engine_plan). See generator_process.WeightReceiver.receive_weights. Here, with the plan, so that
+# (engine_plan). See system.push.WeightReceiver.receive_weights. Here, with the plan, so that
 # the plan's readers (lesson.py among them) need not import the generator process.
 PUSH_AHEAD_BYTES = 64 * 2**20
 PUSH_SMALL_BYTES = 2**20  # what a push holds besides modules and the run-ahead (measured ~0.5 MiB: engine_plan)
 # The trainer's side: a push posts its broadcasts without waiting for them (the next step's
 # forward and backward go on meanwhile), holding what it sent until it has gone out, at most
-# this many bytes (generator_process.send_weights): all of Qwen3-0.6B in bf16; a larger model waits
+# this many bytes (system.push.send_weights): all of Qwen3-0.6B in bf16; a larger model waits
 # for the engine past it
 PUSH_SEND_BYTES = 2 * 2**30
 
@@ -165,7 +165,7 @@ def engine_plan(config, dtype_bytes=2, ahead_bytes=PUSH_AHEAD_BYTES, on_cpu=Fals
     `ahead_bytes` (PUSH_AHEAD_BYTES; a larger tensor is posted alone, once the
     loader has taken all before it), and vLLM's layerwise reload keeps a module's tensors
     until the module is complete, then builds the layer and copies it in place
-    (generator_process.WeightReceiver): two of the largest module at once (its received tensors
+    (system.push.WeightReceiver): two of the largest module at once (its received tensors
     and the layer built from them): the embedding (or lm_head), q+k+v (one fused module
     in vLLM) or gate+up; plus the run-ahead. On CPU a third: vLLM packs each rebuilt linear
     weight for oneDNN (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py)
@@ -213,7 +213,7 @@ def check_memory_plan(cfg, logit_chunk_bytes, world=1):
     train = cfg["trainer_device"]
     if train.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(train)
-        # a GPU shared with an engine (devices.py: named in both flags) is read before vLLM has started
+        # a GPU shared with an engine (system/devices.py: named in both flags) is read before vLLM has started
         # on it: vLLM's share of the card and a push's buffers beside it are not the trainer's
         engine = cfg["gen_memory_utilization"] * total + push if train in cfg["gen_devices"] else 0
         if need > 0.9 * free - engine:  # 10% for the CUDA context and the allocator's fragmentation

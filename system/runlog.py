@@ -2,7 +2,7 @@
 The run directory, out/<run>/, as both trainers write it (lesson.py on its simulated
 clock, train.py on the wall clock), how its files are read back (read_jsonl,
 activity_spans, per_token), and the wasted-work ledger read back from it. Every figure
-is drawn from these files (plot.py); checkpoint.py keeps them across a crash.
+is drawn from these files (plot.py); system/checkpoint.py keeps them across a crash.
 
     config.json     the run's settings, every flag resolved
     metrics.jsonl   one line per optimizer step (and the evaluation at step 0)
@@ -10,8 +10,8 @@ is drawn from these files (plot.py); checkpoint.py keeps them across a crash.
     answers.jsonl   one line per answer a step consumed or the pool rejected: its provenance
     eval_answers.jsonl  each evaluation's answers: the problem, the text, finished, right
     ledger.json     where the generated tokens and each process's time went (write_ledger)
-    generator-steps.jsonl  train.py: a line per engine step, what it held and took (generator_process.StepLog)
-    ckpt/           train.py: the last checkpoint, Hugging Face format (checkpoint.py)
+    generator-steps.jsonl  train.py: a line per engine step, what it held and took (system.generator.StepLog)
+    ckpt/           train.py: the last checkpoint, Hugging Face format (system/checkpoint.py)
 
 metrics.jsonl, the keys both trainers write: step, wall_s (seconds since the start;
 simulated in lesson.py), version (the weights the step trains), reward_mean, loss,
@@ -128,7 +128,7 @@ class Budgets:
     """simulated seconds, comma-separated: pass@1 of the weights the generator holds at each (eval_at.jsonl),
     evaluated after the run, so that it costs the run no simulated time; the run ends at the last"""
 
-    # lesson.py --eval-at (tools/frontier.py's equal time): the weights held at t are the last version
+    # lesson.py --eval-at (lab/frontier.py's equal time): the weights held at t are the last version
     # loaded at or before t; each load's weights are kept (a tiny model's: a few MB) until the next
     # load says whether a budget fell in between
 

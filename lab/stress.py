@@ -2,10 +2,10 @@
 The stress experiment: when does off-policy data hurt learning, and what holds it? Runs of
 lesson.py on its simulated clock (a rerun gives the same files), in two stages, 3 seeds each.
 
-    .venv/bin/python tools/stress.py pilot               # stage 1: where staleness bites
-    .venv/bin/python tools/stress.py holds               # stage 2: what holds it, at the pilot's setting
-    .venv/bin/python tools/stress.py --table-only pilot holds   # the tables from the runs on disk
-    .venv/bin/python tools/stress.py --figure holds      # docs/stress-curves.png: learning curves
+    .venv/bin/python lab/stress.py pilot               # stage 1: where staleness bites
+    .venv/bin/python lab/stress.py holds               # stage 2: what holds it, at the pilot's setting
+    .venv/bin/python lab/stress.py --table-only pilot holds   # the tables from the runs on disk
+    .venv/bin/python lab/stress.py --figure holds      # docs/stress-curves.png: learning curves
 
 Stage 1 (pilot) walks SETTINGS in order, each more off-policy than the one before, and at each
 runs `--regime stale --loss none` (the naive loss: the engine's mu ignored, as if the data
@@ -27,9 +27,9 @@ The losses are those grpo.LOSSES held then (HOLDS_LOSSES): `m2po-authors`, added
 Tables: final pass@1 at equal steps (every run takes the preset's steps) and at equal simulated
 time (the earliest end among the runs compared: each run's last evaluation at or before it),
 each against the reference row as a paired difference (mean, 95% t interval over seeds;
-tools/sweep.py's t_interval). Each row's numbers (over its seeds, with each seed's final pass@1 and
-answers.jsonl md5) go onto results/stress.jsonl, committed, and the course's table (TABLES) is built
-from those lines alone and written into docs/course.md between its markers (tools/marked.py); so are
+lab/sweep.py's t_interval). Each row's numbers (over its seeds, with each seed's final pass@1 and
+answers.jsonl md5) go onto lab/data/stress.jsonl, committed, and the course's table (TABLES) is built
+from those lines alone and written into docs/course.md between its markers (lab/marked.py); so are
 RESULTS.md's stress tables, whose lines were copied from RESULTS.md (each says "source" and its batch).
 Runs go to out/stress/<stage>/<label>-s<seed>/, a finished run is not run again. Each run is pinned
 to one core, --jobs at once, so the numbers do not depend on how many run together; runtime.json in
@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
 from course import finished  # noqa: E402
-from runlog import per_token, read_jsonl  # noqa: E402
+from system.runlog import per_token, read_jsonl  # noqa: E402
 from sweep import show_paired, t_interval, verdict  # noqa: E402
 
 SEEDS = (0, 1, 2)
@@ -172,11 +172,11 @@ def ms(values, fmt="{:.3f}"):
     return " ± ".join(fmt.format(v) for v in values)
 
 
-KEY = ("batch", "stage", "setting", "label", "loss_agg")  # a row of results/stress.jsonl: the last line with these wins
+KEY = ("batch", "stage", "setting", "label", "loss_agg")  # a row of the data file: the last line with these wins
 
 
 def summarise(stage, setting, rows, reference):
-    """rows: [(label, flags, [read_run per seed])] -> one line per row as results/stress.jsonl keeps it:
+    """rows: [(label, flags, [read_run per seed])] -> one line per row as lab/data/stress.jsonl keeps it:
     the numbers its cells print, over its seeds (mean and sample std; the paired difference against the
     reference row, mean and 95% t interval in points, at equal steps and at the table's equal time),
     each seed's final pass@1 and answers.jsonl md5. The equal time is the earliest end among the rows."""
@@ -222,7 +222,7 @@ def summarise(stage, setting, rows, reference):
 
 
 def keep(*tables):
-    """Every row of the tables (summarise's lines) onto results/stress.jsonl once: a row in two tables
+    """Every row of the tables (summarise's lines) onto lab/data/stress.jsonl once: a row in two tables
     (against two references) is one line with both differences."""
     merged = {}
     for line in (line for lines in tables for line in lines):
@@ -263,7 +263,7 @@ def table(title, lines, reference):
 
 
 def last(**match):
-    """The last line of results/stress.jsonl whose fields have these values."""
+    """The last line of lab/data/stress.jsonl whose fields have these values."""
     return [s for s in marked.read("stress") if all(s.get(k) == v for k, v in match.items())][-1]
 
 
@@ -305,7 +305,7 @@ def readme_says():
     sync = last(batch="issue 40", stage="pilot", setting=STRESS, label="sync none")
     d = calm["vs"]["sync none"]["final"]
     return (
-        f"- When lag bites (`tools/stress.py`, {len(hit['seeds'])} seeds): at `{STRESS}` (lag {hit['lag']:.1f}), "
+        f"- When lag bites (`lab/stress.py`, {len(hit['seeds'])} seeds): at `{STRESS}` (lag {hit['lag']:.1f}), "
         f"`stale --loss none` ends at {hit['final'][0]:.2f} pass@1 where `sync` reaches {sync['final'][0]:.2f} "
         f"({show_paired(hit['vs']['sync none']['final'])} points); the corrections recover part of it ([each with "
         "its interval](docs/course.md#when-lag-bites-the-stress-experiment)). At the long preset's own setting, "
@@ -439,9 +439,7 @@ def main():
     if "pilot" in args.stages:
         print("\n\n".join(tables) + (f"\n\nstage 2 runs at: {setting[0]}\n" if setting else "\n"), flush=True)
     if setting is None and ("holds" in args.stages or args.figure):
-        sys.exit(
-            "stress.py: the pilot has not finished, so no setting is chosen yet: run `tools/stress.py pilot` first"
-        )
+        sys.exit("stress.py: the pilot has not finished, so no setting is chosen yet: run `lab/stress.py pilot` first")
     if "holds" in args.stages:
         print("\n\n".join(holds(args.out, setting, args.jobs, args.table_only)) + "\n", flush=True)
     for page, name in marked.write(TABLES):

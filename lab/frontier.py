@@ -4,15 +4,15 @@ pass@1 at fixed simulated budgets (equal time, exactly), for `--regime stale` (P
 weights read the KV the old ones wrote) and `--regime recompute` (AReaL: that KV rebuilt) at
 `--max-lag` (AReaL's eta) 1, 2, 4, 8, beside `--regime sync`, at the long preset's learning rate
 and 4x it, per loss, at two speeds of the trainer against the generator. Every finished run's
-summary is appended to results/frontier.jsonl, which is committed: the tables and the figure are
+summary is appended to lab/data/frontier.jsonl, which is committed: the tables and the figure are
 made from that file alone, so they outlive the machine that ran the grid, and a later session
 picks the grid up where the file leaves it.
 
-    .venv/bin/python tools/frontier.py                  # run what the data file lacks, in ORDER (hours)
-    .venv/bin/python tools/frontier.py --only gen-slower-lr-x1/tis   # one (block, loss) of ORDER
-    .venv/bin/python tools/frontier.py --table-only     # the tables, from results/frontier.jsonl alone
-    .venv/bin/python tools/frontier.py --figure         # docs/frontier.png, from the same file
-    .venv/bin/python tools/frontier.py --rerun gen-slower-lr-x1/tis/stale-eta2-s0   # md5 of answers.jsonl again
+    .venv/bin/python lab/frontier.py                  # run what the data file lacks, in ORDER (hours)
+    .venv/bin/python lab/frontier.py --only gen-slower-lr-x1/tis   # one (block, loss) of ORDER
+    .venv/bin/python lab/frontier.py --table-only     # the tables, from lab/data/frontier.jsonl alone
+    .venv/bin/python lab/frontier.py --figure         # docs/frontier.png, from the same file
+    .venv/bin/python lab/frontier.py --rerun gen-slower-lr-x1/tis/stale-eta2-s0   # md5 of answers.jsonl again
 
 Everything below was written down before the first run of this grid (the grid of 2026-12-04,
 all `recompute`, at one learning rate, with eta 8 and 16 that never got past lag ~3, is in
@@ -78,10 +78,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
-from runlog import per_token, read_jsonl  # noqa: E402
+from system.runlog import per_token, read_jsonl  # noqa: E402
 from sweep import interval, said, show_paired, verdict  # noqa: E402
 
-DATA = os.path.join(ROOT, "results", "frontier.jsonl")
+DATA = os.path.join(ROOT, "lab", "data", "frontier.jsonl")
 SEEDS, EXTRA_SEEDS = (0, 1, 2), (3, 4)
 ETAS = (1, 2, 4, 8)
 REGIMES = ("stale", "recompute")
@@ -415,7 +415,7 @@ def readme_says(data=None):
     up, down = ([where(b, loss) for b, loss, *_ in side[k]] for k in ("higher", "lower"))
     alike = lambda side: f" (all {side[0]})" if len(set(side)) == 1 and len(side) > 1 else ""  # noqa: E731
     return (
-        f"- How far ahead (`tools/frontier.py`, {len(data['runs'])} runs, 3 seeds): at equal simulated time "
+        f"- How far ahead (`lab/frontier.py`, {len(data['runs'])} runs, 3 seeds): at equal simulated time "
         f"{len(found) - len(up) - len(down)} of {len(found)} `stale` - `recompute` intervals hold 0, {len(down)} "
         f"favour `recompute`{alike(down)} and {len(up)} `stale`{alike(up)}; about {round(0.05 * len(found))} "
         "would by chance. Which regime and eta to run: the "
@@ -510,8 +510,8 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "out", "frontier"), help="where the runs go")
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="runs at once, one core each")
     p.add_argument("--only", choices=[f"{b}/{loss}" for b, loss in ORDER], help="run only this (block, loss)")
-    p.add_argument("--table-only", action="store_true", help="no runs: the tables from results/frontier.jsonl")
-    p.add_argument("--figure", action="store_true", help="no runs: docs/frontier.png from results/frontier.jsonl")
+    p.add_argument("--table-only", action="store_true", help="no runs: the tables from lab/data/frontier.jsonl")
+    p.add_argument("--figure", action="store_true", help="no runs: docs/frontier.png from lab/data/frontier.jsonl")
     p.add_argument("--rerun", metavar="CELL", help="run one cell of the data file again; compare answers.jsonl's md5")
     args = p.parse_args()
     if args.rerun:

@@ -3,16 +3,16 @@ The course's experiments (docs/course.md), each a few runs of lesson.py on its s
 clock, and their tables. The numbers are the same on every machine, up to its floating
 point: a second run of this command prints the same tables.
 
-    .venv/bin/python tools/course.py                      # every experiment (40 min alone on 2 cores; RESULTS.md)
-    .venv/bin/python tools/course.py regimes max_lag      # some of them
-    .venv/bin/python tools/course.py --table-only         # the tables from the runs on disk
+    .venv/bin/python lab/course.py                      # every experiment (40 min alone on 2 cores; RESULTS.md)
+    .venv/bin/python lab/course.py regimes max_lag      # some of them
+    .venv/bin/python lab/course.py --table-only         # the tables from the runs on disk
 
 Runs go to out/course/<experiment>/<label>/; a finished run is not run again, and a run
 that two experiments share (the same lesson.py settings) runs once, in the first one's
 directory. Each run's summary (every number its rows print, its pass@1 curve, the md5 of its
-answers.jsonl) goes onto results/course.jsonl, committed; the tables are built from those lines
+answers.jsonl) goes onto lab/data/course.jsonl, committed; the tables are built from those lines
 alone and written into docs/course.md, RESULTS.md and the README between their markers
-(tools/marked.py). The first 16 lines there were copied from RESULTS.md's tables (each says
+(lab/marked.py). The first 16 lines there were copied from RESULTS.md's tables (each says
 "source"): they have no curve, only pass@1 at the equal times those tables printed.
 """
 
@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
-from runlog import per_token, read_jsonl  # noqa: E402
+from system.runlog import per_token, read_jsonl  # noqa: E402
 
 LONG = ("--preset", "long")
 EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
@@ -214,7 +214,7 @@ def main():
 
 
 def record(run, flags, rows):
-    """The run's summary onto results/course.jsonl, unless its last line there says the same already
+    """The run's summary onto lab/data/course.jsonl, unless its last line there says the same already
     (a second --table-only adds nothing): the tables are built from those lines alone."""
     line = dict(
         summary(run),

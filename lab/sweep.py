@@ -3,16 +3,16 @@ Runs train.py over regimes x pools x seeds for one preset, then writes the table
 figures in RESULTS.md: eval accuracy against wall-clock, time to a target accuracy,
 steps per minute, stale tokens, lag, and where each process's time went.
 
-    python tools/sweep.py default             # 5 regimes x 3 seeds of plain train.py (~4.5-6.5 min a run, ~75 min on 2 cores)
-    python tools/sweep.py long                # 5 x 5 of `train.py --preset long` (~3 min a run, 72 min;
+    python lab/sweep.py default             # 5 regimes x 3 seeds of plain train.py (~4.5-6.5 min a run, ~75 min on 2 cores)
+    python lab/sweep.py long                # 5 x 5 of `train.py --preset long` (~3 min a run, 72 min;
                                         # ~1.6 min, 40 min, on a twice as fast 2-core machine),
                                         # then 5 x 3 of default for the contrast (~75 min)
-    python tools/sweep.py long --no-contrast      # the long preset's runs only
-    python tools/sweep.py long --regimes stale recompute --pools fifo pace   # PACE vs fifo, and vs the sync runs on disk
+    python lab/sweep.py long --no-contrast      # the long preset's runs only
+    python lab/sweep.py long --regimes stale recompute --pools fifo pace   # PACE vs fifo, and vs the sync runs on disk
                                         # (10 PACE runs, ~5 min each, ~2.8 on the faster machine)
-    python tools/sweep.py long --table-only   # run nothing, write the tables and figures of what finished
-    python tools/sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
-    python tools/sweep.py default --regimes sync recompute --tree ../old --out out/old   # another commit's train.py
+    python lab/sweep.py long --table-only   # run nothing, write the tables and figures of what finished
+    python lab/sweep.py default --out /tmp/s -- --steps 3    # arguments after `--` go to every train.py run
+    python lab/sweep.py default --regimes sync recompute --tree ../old --out out/old   # another commit's train.py
 
 Runs go to <out>/<preset>/<regime>-<pool>-s<seed> (+ .log), <out> = out/sweep, one
 at a time, seed by seed (a sweep cut short still has every regime at the first
@@ -35,8 +35,8 @@ not the trainer's imports and model load. An eval logged on a step row carries
 that step's wall_s, taken before the evaluation ran: the moment the weights it
 evaluates existed.
 
-The committed record (tools/marked.py): with --record NAME, every finished run's summary (its
-numbers and pass@1 curve, the processor and commit) goes onto results/sweep.jsonl under NAME,
+The committed record (lab/marked.py): with --record NAME, every finished run's summary (its
+numbers and pass@1 curve, the processor and commit) goes onto lab/data/sweep.jsonl under NAME,
 and the pages' sweep tables (TABLES) are rewritten from that file alone. Its first 37 lines
 were copied from RESULTS.md's per-run tables of two sweeps (each says "source"; their run
 directories were lost with their machines): final pass@1, exact as right / eval_n, and the long
@@ -56,7 +56,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
 from plot import COLOURS as ACTIVITY_COLOURS  # noqa: E402  (its timeline figure: plot.py's colours)
-from runlog import per_token, read_jsonl  # noqa: E402
+from system.runlog import per_token, read_jsonl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import marked  # noqa: E402
@@ -550,7 +550,7 @@ KEPT += ("gen_idle", "discarded", "recomputed", "rejected", "gen_share", "traine
 
 
 def record(rows, name, preset, tree=ROOT):
-    """Each finished run's summary, a line of results/sweep.jsonl (once: recording again adds nothing)."""
+    """Each finished run's summary, a line of lab/data/sweep.jsonl (once: recording again adds nothing)."""
     where = dict(processor=marked.processor(), commit=marked.commit(tree))
     for r in rows:
         line = dict({k: r[k] for k in KEPT}, sweep=name, preset=preset, eval_n=r["cfg"]["eval_n"], **where)
@@ -612,7 +612,7 @@ def readme_sentence():
         f"- In `train.py`, final pass@1: on the long preset `stale` - `recompute` is {short(*lv)} "
         f"({len(level)} seeds), and `stale` took {speed['stale'] / speed['drain']:.2f}x `drain`'s steps per minute "
         f"(two processes sharing 2 cores); on the default preset `recompute` - `sync` is {cost_said} ({len(cost)} "
-        "seeds; [both](RESULTS.md#trainpys-sweeps-in-the-data-file))."
+        "seeds; [both](lab/RESULTS.md#trainpys-sweeps-in-the-data-file))."
     )
 
 
@@ -778,7 +778,7 @@ def main():
         "--record",
         metavar="NAME",
         default=None,
-        help="append every finished run's summary to results/sweep.jsonl as sweep NAME, rewrite its tables",
+        help="append every finished run's summary to lab/data/sweep.jsonl as sweep NAME, rewrite its tables",
     )
     p.add_argument(
         "--tree",

@@ -7,14 +7,14 @@ written by one function, its builder, from a committed data file alone, between 
     <!-- end -->
 
 An experiment tool appends one JSON line per run (or per row of seeds, where it says so) to
-results/<tool>.jsonl, the data outliving the machine that ran it, and then rewrites every
+lab/data/<tool>.jsonl, the data outliving the machine that ran it, and then rewrites every
 block of its tables in the pages. tests/test_marked.py rebuilds every block from the data and
 fails on a digit that differs, so a table cannot drift from its data, nor a copy from its
 original. A tool registers its tables with a TABLES dict, {NAME: builder}, each builder a
-function of no arguments that reads results/<tool>.jsonl; adding a tool is its name in TOOLS.
+function of no arguments that reads lab/data/<tool>.jsonl; adding a tool is its name in TOOLS.
 
-    .venv/bin/python tools/marked.py            # every marked block of the pages, and its builder's tool
-    .venv/bin/python tools/marked.py --write    # rewrite every block from the data (what each tool does)
+    .venv/bin/python lab/marked.py            # every marked block of the pages, and its builder's tool
+    .venv/bin/python lab/marked.py --write    # rewrite every block from the data (what each tool does)
 """
 
 import argparse
@@ -29,8 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-PAGES = ("README.md", "docs/course.md", "RESULTS.md")
-# tools/<name>.py (study.py: at the root), each with TABLES; its data is results/<name>.jsonl
+PAGES = ("README.md", "docs/course.md", "lab/RESULTS.md")
+# tools/<name>.py (lab/study.py: at the root), each with TABLES; its data is lab/data/<name>.jsonl
 TOOLS = ("course", "stress", "frontier", "sweep", "study")
 # a block: its opening line, its text (lines, possibly none), its closing line
 BLOCK = re.compile(r"^<!-- table: ([\w.-]+) -->\n(.*?)^<!-- end -->$", re.M | re.S)
@@ -51,7 +51,7 @@ def replace(text, name, body):
 
 
 def data_path(tool):
-    return os.path.join(ROOT, "results", f"{tool}.jsonl")
+    return os.path.join(ROOT, "lab", "data", f"{tool}.jsonl")
 
 
 def read(tool):
@@ -63,7 +63,7 @@ def read(tool):
 
 
 def append(tool, line):
-    """One run's (or one row's) summary onto results/<tool>.jsonl."""
+    """One run's (or one row's) summary onto lab/data/<tool>.jsonl."""
     os.makedirs(os.path.dirname(data_path(tool)), exist_ok=True)
     with open(data_path(tool), "a") as f:
         f.write(json.dumps(line, sort_keys=True) + "\n")
@@ -81,7 +81,7 @@ def registry():
 
 
 def record(tool, line, key):
-    """Append `line` to results/<tool>.jsonl unless the last line with the same values of the fields
+    """Append `line` to lab/data/<tool>.jsonl unless the last line with the same values of the fields
     `key` says the same already (every field but "source"): a second pass over the same runs adds nothing."""
     line = json.loads(json.dumps(line))  # as it reads back: tuples become lists
     same = [s for s in read(tool) if all(s.get(k) == line.get(k) for k in key)]

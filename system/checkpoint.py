@@ -1,5 +1,5 @@
 """
-What keeps train.py's run directory, out/<run>/ (its files: runlog.py), across a
+What keeps train.py's run directory, out/<run>/ (its files: system/runlog.py), across a
 crash: the checkpoint, and --resume.
 
 It protects the user from:
@@ -23,7 +23,7 @@ import sys
 import time
 
 from data import UsageError
-from runlog import read_jsonl
+from system.runlog import read_jsonl
 
 LOGS = ("metrics.jsonl", "events.jsonl", "answers.jsonl", "eval_answers.jsonl")
 
@@ -32,7 +32,7 @@ def resume_config(run, steps, defaults):
     """--resume RUN: the config saved in RUN wins; only --steps may change; flags added
     to train.py since it was saved take their defaults (config.fill, after this); the
     model, the weight version, the data position and the generator's counters are the
-    checkpoint's. The devices are the user's flags as saved (devices.py resolves them
+    checkpoint's. The devices are the user's flags as saved (system/devices.py resolves them
     again, on this machine, for this rank)."""
     if not os.path.isfile(os.path.join(run, "config.json")):
         raise UsageError(f"--resume {run}: not a run directory (no config.json)")
@@ -71,7 +71,7 @@ def save_checkpoint(cfg, model, tokenizer, opt, ranks, progress):
     and only a complete ckpt.tmp/ is renamed to ckpt/. So ckpt/ is complete whenever
     it exists; between the two renames only ckpt.old/ exists, complete, and
     recover_checkpoint puts it back. The log sizes let --resume cut the logs back
-    to this moment (cut_logs). Several trainer ranks (ranks.py) all call it: the
+    to this moment (cut_logs). Several trainer ranks (system/ranks.py) all call it: the
     weights are gathered for rank 0 to write, each rank writes its optimizer shards."""
     import torch
 

@@ -2,8 +2,8 @@
 The teacher-forcing study: how much of a policy update does a stale KV cache undo,
 and how many layers' KV must be recomputed to get it back?
 
-    python study.py                                           # tiny model + synth, CPU, ~20 s
-    python study.py --model Qwen/Qwen3-0.6B --dataset gsm8k   # one GPU (--data-file: GSM8K offline)
+    python lab/study.py                                           # tiny model + synth, CPU, ~20 s
+    python lab/study.py --model Qwen/Qwen3-0.6B --dataset gsm8k   # one GPU (--data-file: GSM8K offline)
 
 Published (Qwen3-0.6B, GSM8K, the second command): the stale cache undoes >80% of
 the update over the first 8 tokens after the switch and ~49% after token 32; one
@@ -45,8 +45,11 @@ import copy
 import json
 import os
 import random
+import sys
 
-from config import model_path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: the course's modules
+
+from config import model_path  # noqa: E402
 
 PER_MODEL = {  # "tiny" vs any hub model: what a plain run uses
     "tiny": dict(lr=1e-4, max_new_tokens=128, prompts=16, threads=1),
@@ -88,7 +91,7 @@ def parse_config(argv=None):
     )
     p.add_argument("--out", default=None, help="output JSON (default: out/study-<model>-<dataset>/study.json)")
     p.add_argument(
-        "--record", action="store_true", help="append the summary to results/study.jsonl and rewrite its tables"
+        "--record", action="store_true", help="append the summary to lab/data/study.jsonl and rewrite its tables"
     )
     cfg = vars(p.parse_args(argv))
     for k, v in PER_MODEL["tiny" if cfg["model"] == "tiny" else "hub"].items():
@@ -342,17 +345,14 @@ def main(argv=None):
     return res
 
 
-# The committed record: `python study.py --seed S --record` appends one line per run to
-# results/study.jsonl, and the pages' study tables and sentence (TABLES) are written from
-# that file alone, between markers (tools/marked.py; tests/test_marked.py rebuilds them).
+# The committed record: `python lab/study.py --seed S --record` appends one line per run to
+# lab/data/study.jsonl, and the pages' study tables and sentence (TABLES) are written from
+# that file alone, between markers (lab/marked.py; tests/test_marked.py rebuilds them).
 SETTINGS = ("model", "dataset", "synth_steps", "prompts", "group_size", "max_new_tokens", "updates", "lr", "seed")
 
 
 def marked_tables():
-    """tools/marked.py, the pages' marked tables (imported when a record is made or read)."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+    """lab/marked.py, the pages' marked tables (imported when a record is made or read)."""
     import marked
 
     return marked
@@ -380,7 +380,7 @@ def record(res):
 
 
 def tiny_runs():
-    """The recorded runs of a plain `python study.py --seed S` (tiny model, synth, its defaults)."""
+    """The recorded runs of a plain `python lab/study.py --seed S` (tiny model, synth, its defaults)."""
     marked = marked_tables()
     plain = {k: v for k, v in parse_config([]).items() if k in SETTINGS and k != "seed"}
     runs = {}
@@ -416,9 +416,9 @@ def sentence():
     seeds = sorted({r["seed"] for r in runs})
     lr = f"{runs[0]['lr']:.0e}".replace("e-0", "e-")
     return (
-        f"- `python study.py --seed S` (tiny model, lr {lr}, seeds {seeds[0]}-{seeds[-1]}): a stale cache undid "
+        f"- `python lab/study.py --seed S` (tiny model, lr {lr}, seeds {seeds[0]}-{seeds[-1]}): a stale cache undid "
         f"{pct(first[0])[:-1]}-{pct(first[-1])} of a step's change over the 8 tokens after a switch, "
-        f"{pct(after[0])[:-1]}-{pct(after[-1])} after token 32 ([each seed](RESULTS.md#the-teacher-forcing-study))."
+        f"{pct(after[0])[:-1]}-{pct(after[-1])} after token 32 ([each seed](lab/RESULTS.md#the-teacher-forcing-study))."
     )
 
 

@@ -4,11 +4,11 @@ default and the long preset, run by train.py (two processes, the wall clock; >= 
 its run-to-run spread is part of the answer) and by lesson.py at the costs fitted from those same
 runs (tools/clock_costs.py), side by side.
 
-    .venv/bin/python tools/fidelity.py train             # train.py's runs, one at a time (alone on the machine)
-    .venv/bin/python tools/fidelity.py lesson COSTS...    # lesson.py's runs at those costs
-    .venv/bin/python tools/fidelity.py --table-only       # the table, from results/fidelity.jsonl
+    .venv/bin/python lab/fidelity.py train             # train.py's runs, one at a time (alone on the machine)
+    .venv/bin/python lab/fidelity.py lesson COSTS...    # lesson.py's runs at those costs
+    .venv/bin/python lab/fidelity.py --table-only       # the table, from lab/data/fidelity.jsonl
 
-Each run's summary goes onto results/fidelity.jsonl (its commit, processor, load average at its
+Each run's summary goes onto lab/data/fidelity.jsonl (its commit, processor, load average at its
 start and end); a finished run is not run again.
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
-from runlog import per_token, read_jsonl  # noqa: E402
+from system.runlog import per_token, read_jsonl  # noqa: E402
 
 PRESETS = {"default": (), "long": ("--preset", "long")}
 REGIMES = ("sync", "drain", "discard", "stale", "recompute")

@@ -1,0 +1,311 @@
+"""
+The trainer's handle on the generator process: spawn the engines, take what they send, push
+them new weights and settle the push, stop them. What it does when an engine dies or stalls is
+the watchdog's (system/watchdog.py).
+"""
+
+import os
+import queue
+import time
+
+from engine import as_tensors
+from system.generator import generator_main
+from system.preflight import PUSH_SEND_BYTES  # bytes a push may hold in flight (send_weights)
+from system.push import POLL_S, SYNC_HOST, die_test_hook, init_weight_group, send_weights
+from system.ranks import weight_specs  # what a push sends first
+from system.watchdog import GeneratorDied, Watchdog
+
+START_TIMEOUT_S = 900  # for the engines to start (a model download, vLLM's warm-up), before the run stops
+
+
+def spawn_with_env(ctx, env, target, args, **kw):
+    """Start a process that sees `env` in its environment (None: unset there): the child
+    reads its device from there before it imports torch, while this process's
+    environment is left as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    try:
+        proc = ctx.Process(target=target, args=args, **kw)
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return proc
+
+
+# torchrun's variables, which a generator spawned by trainer rank 0 must not inherit: vLLM
+# reads some of them, and with TORCHELASTIC_USE_AGENT_STORE=True torch's rendezvous turns the
+# weight group's store into a client of torchrun's agent, and the group never forms
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+
+
+class GeneratorHandle(Watchdog):
+    """Trainer side: spawns the generator engines (one by default), pushes weights to
+    all of them at once, receives their samples and events on one queue, and turns any
+    death of an engine into an exception that carries its own traceback."""
+
+    def __init__(self, cfg, envs):
+        """envs: one environment per engine (devices.resolve_devices)."""
+        import socket
+        import torch.multiprocessing as mp
+
+        self.n = len(envs)
+        listen = socket.socket()  # the weight group's store: this port, bound here, handed to vLLM's helper
+        listen.bind((SYNC_HOST, 0))
+        listen.listen()
+        cfg = dict(cfg, sync_port=listen.getsockname()[1], engines=self.n)
+        ctx = mp.get_context("spawn")  # vLLM and CUDA do not survive fork
+        self.samples_q = ctx.Queue(maxsize=cfg["queue_size"])  # bounded: back-pressure; one for all engines
+        self.control_qs = [ctx.Queue() for _ in envs]
+        self.joined = [ctx.Value("i", cfg["start_version"], lock=False) for _ in envs]  # the last push each joined
+        self.procs = [
+            spawn_with_env(
+                ctx,
+                {**dict.fromkeys(TORCHRUN_ENV), **env},
+                generator_main,
+                (
+                    dict(
+                        cfg,
+                        engine=i,
+                        engine_device=cfg["gen_devices"][i],
+                        start_stats=cfg.get("start_stats") if i == 0 else None,
+                    ),
+                    self.samples_q,
+                    self.control_qs[i],
+                    self.joined[i],
+                ),
+                daemon=True,
+                name=f"inflight-generator{i}",
+            )
+            for i, env in enumerate(envs)
+        ]
+        self.cfg, self.version = cfg, cfg["start_version"]
+        self.stats = dict(cfg.get("start_stats") or {})  # the generators' counters (summed), as samples carry them
+        self.engine_stats = [dict(self.stats) if i == 0 else {} for i in range(self.n)]
+        self.transfer_device = cfg["trainer_device"] if cfg["sync_backend"] == "nccl" else "cpu"
+        self.last_seen = [time.time()] * self.n  # when each engine last sent anything (stall watchdog)
+        self.last_msg, self.last_event = [(time.time(), "nothing yet")] * self.n, [None] * self.n
+        self.stall_report = None
+        self.send_budget = PUSH_SEND_BYTES  # bytes a push may hold in flight (send_weights)
+        self.pending = None  # the push in flight: (done, finish, its watchdog, specs) (push with wait=False)
+        self.broke = False  # a push broke (push_broke): engines still in it wait on a dead peer
+        infos = {}
+        while len(infos) < self.n:
+            if (msg := self.get(timeout=START_TIMEOUT_S)) is None:
+                self.stalled(START_TIMEOUT_S, [i for i in range(self.n) if i not in infos])
+            assert msg[0] == "engine_ready", msg[0]
+            infos[msg[1]["engine"]] = msg[1]
+        # the KV cache's size (preflight.check_kv_plan): the smallest engine's
+        self.engine_info = min(infos.values(), key=lambda info: info["admit_at_once"])
+        self.group = self.form_group(listen)
+
+    def form_group(self, listen):
+        """The weight group, formed on a thread while this one watches the engines as wait()
+        watches a push: init_weight_group returns once every engine's worker has joined, or
+        after the group's own timeout (1 h). An engine that exits first ends the run with its
+        traceback (died); one alive that has not joined within the stall bound, with its stack
+        (stalled)."""
+        import threading
+
+        made = []
+
+        def form():
+            try:
+                made.append(
+                    init_weight_group(SYNC_HOST, self.cfg["sync_port"], 0, 1 + self.n, self.cfg["sync_backend"], listen)
+                )
+            except Exception as e:  # raised below, on the trainer's thread
+                made.append(e)
+
+        former = threading.Thread(target=form, name="weight-group", daemon=True)
+        former.start()
+        t0, bound = time.time(), self.stall_bound()
+        while former.is_alive():
+            former.join(POLL_S * 100)
+            if dead := [i for i, p in enumerate(self.procs) if not p.is_alive()]:
+                self.died(dead[0], " while the weight group formed")
+            if former.is_alive() and time.time() - t0 > bound:
+                raise GeneratorDied(self.stop_stalled(bound, "not in the weight group"))
+        if isinstance(made[0], Exception):
+            raise made[0]
+        return made[0]
+
+    def next(self):
+        """The next (kind, item) from the generators. An engine that is alive but sends
+        nothing for stall_bound() seconds is stopped, and GeneratorDied raised with its stack."""
+        while True:
+            bound = self.stall_bound()
+            if (msg := self.get(timeout=1.0)) is not None:
+                return msg
+            silent = [i for i in range(self.n) if time.time() - self.last_seen[i] > bound]
+            if silent:
+                self.stalled(bound, silent)
+
+    def evaluate(self, prompts, max_tokens):
+        """Greedy answers of `prompts` under the generators' weights, as (token ids, finish
+        reason), the prompts split evenly across the engines; samples that arrive
+        meanwhile are returned too, for the trainer's pool."""
+        size = -(-len(prompts) // self.n)
+        chunks = [prompts[i * size : (i + 1) * size] for i in range(self.n)]
+        waves = 1 + size // self.engine_info["admit_at_once"]  # what an engine holds at once
+        timeout = self.stall_bound() * waves
+        for q, chunk in zip(self.control_qs, chunks):
+            q.put(("eval", chunk, max_tokens))
+        other, results = [], {}
+        while (msg := self.get(timeout)) is not None:
+            if msg[0] == "eval":
+                results[msg[1]["engine"]] = msg[1]["answers"]
+                if len(results) == self.n:
+                    return [a for i in range(self.n) for a in results[i]], other
+            else:
+                other.append(msg)
+        self.stalled(timeout, [i for i in range(self.n) if i not in results])
+
+    def get(self, timeout):
+        """Next (kind, item) from the generators, or None after `timeout` seconds."""
+        deadline = time.time() + timeout
+        while True:
+            try:
+                kind, item = self.samples_q.get(timeout=min(1.0, max(0.0, deadline - time.time())))
+            except queue.Empty:
+                for i, proc in enumerate(self.procs):
+                    if not proc.is_alive():
+                        self.died(i, "")
+                if time.time() >= deadline:
+                    return None
+                continue
+            except (EOFError, OSError) as e:  # a message cut off by its sender's death
+                self.died(
+                    next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0),
+                    f" ({type(e).__name__} reading its queue)",
+                )
+            if kind == "error":
+                self.died(item[0], "", {item[0]: item[1]})
+            i = item if kind == "alive" else item.get("engine", 0)
+            self.last_seen[i] = time.time()
+            if kind == "alive":
+                continue
+            self.last_msg[i] = (time.time(), kind)
+            if kind == "event":
+                self.last_event[i] = item
+            if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
+                item = as_tensors(item)
+                self.engine_stats[i] = item["gen_stats"]
+                self.stats = {
+                    k: sum(s.get(k, 0) for s in self.engine_stats)
+                    for k in item["gen_stats"]
+                    if k not in ("version", "max_step_s")
+                }
+                self.stats["max_step_s"] = max(s.get("max_step_s", 0.0) for s in self.engine_stats)
+            return kind, item
+
+    def push(self, specs, tensors=None, rejected=0, wait=True):
+        """Broadcast new weights to every engine: `specs` (weight_specs) first, then the
+        tensors, in that order (or a state dict alone, both at once), and how many
+        groups the trainer's pool has rejected (they no longer count as admitted). Blocks
+        until every engine has joined the push: a regime that makes its engine wait (drain:
+        until its answers in flight finish) holds the trainer here, waiting for the engine
+        with the longest tail, idle -- part of the sync time the trainer reports. Then the
+        tensors go out on the process group's threads (send_weights): with wait=False this
+        returns at once, and settle() must be called before anything changes the tensors
+        (train.py: before the next optimizer step); by default it settles here. Each engine
+        loads them before its next engine step. A push not acknowledged within
+        stall_bound() seconds means a stuck engine: a watchdog thread stops the engines that
+        never joined it (push_stalled), which breaks the broadcast, and the stall report,
+        naming them, is raised. Returns the new version."""
+        import threading
+
+        if tensors is None:
+            specs, tensors = weight_specs(specs), specs.values()
+        self.settle()
+        timeout = self.stall_bound()
+        self.version += 1
+        for q in self.control_qs:
+            q.put(("weights", self.version, specs, rejected))
+        watchdog = threading.Timer(timeout, self.push_stalled, (timeout,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            self.pending = (
+                *send_weights(
+                    self.group,
+                    die_test_hook(self.version, specs, tensors),
+                    self.transfer_device,
+                    self.check_engines,
+                    self.send_budget,
+                ),
+                watchdog,
+                specs,
+            )
+        except RuntimeError as e:
+            self.push_broke(watchdog, e)
+        if wait:
+            self.settle()
+        return self.version
+
+    def pushing(self):
+        """Whether a push is in flight, not yet acknowledged by every engine."""
+        return bool(self.pending) and not self.pending[0]()
+
+    def settle(self):
+        """Wait for the push in flight (none: return at once) until every engine has
+        acknowledged it. Returns the seconds it waited."""
+        if not self.pending:
+            return 0.0
+        t0 = time.time()
+        _, finish, watchdog, specs = self.pending
+        try:
+            (held, *arrived), sent, changed = finish()
+        except RuntimeError as e:
+            self.push_broke(watchdog, e)
+        finally:
+            self.pending = None
+        watchdog.cancel()
+        if held != self.n * self.version:
+            raise RuntimeError(
+                f"weight sync: the engines acknowledged versions summing to {held}, not {self.n} x v{self.version}"
+            )
+        if changed:  # an in-place op on a tensor in flight: settle() must come before the optimizer step
+            raise RuntimeError(
+                f"weight sync: {len(changed)} tensor(s) of the push for v{self.version} changed before it was "
+                f"acknowledged ({specs[changed[0]][0]} first): call settle() before anything writes the weights"
+            )
+        if arrived != [self.n * x for x in sent]:  # every engine received every bit the trainer sent
+            raise RuntimeError(
+                f"weight sync: the weights that arrived for v{self.version} are not the ones sent (checksums "
+                f"{arrived} summed over {self.n} engine(s), sent {sent}): a tensor changed before it went out"
+            )
+        return time.time() - t0
+
+    def stop(self):
+        if self.pending:  # a push never settled (the trainer is going down): its engines are stopped below
+            self.pending[2].cancel()
+        for q, proc in zip(self.control_qs, self.procs):
+            if proc.is_alive():
+                q.put(("stop",))
+        for proc in self.procs:
+            # after a broken push an engine may still wait in it (on NCCL, for a dead peer, until the
+            # group's timeout): it reads no "stop", so it is killed at once instead of after 10 s
+            proc.join(timeout=0 if self.broke else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

@@ -1,0 +1,357 @@
+"""
+Both ends of the weight push: the trainer (rank 0) broadcasts each tensor to the vLLM worker of
+every engine (ranks 1..N), which receives it and loads it in place between two engine steps.
+
+    trainer (rank 0) --- torch.distributed broadcast (nccl | gloo) ---> vLLM worker of engine i (rank 1+i)
+
+The group is made with vLLM's stateless helper; the worker joins it through
+`worker_extension_cls` (WeightReceiver) and `collective_rpc`. No files, no HTTP.
+"""
+
+import math
+import os
+import queue
+import time
+
+from system.preflight import PUSH_AHEAD_BYTES, PUSH_SEND_BYTES  # how far a push runs ahead: receive, send
+
+SYNC_HOST = "127.0.0.1"  # the weight group's rendezvous: the engines run on trainer rank 0's machine
+WEIGHT_GROUP_TIMEOUT_S = 3600  # the weight group's own timeout: above every bound of ours (init_weight_group)
+POLL_S = 0.001  # how often a wait on the weight group looks (wait): torch's blocking NCCL wait polls every 1 ms
+
+
+def init_weight_group(host, port, rank, world_size, backend, listen_socket=None):
+    """The group trainer (rank 0) + the vLLM worker of every engine, made with vLLM's
+    stateless helper so it leaves torch.distributed's global state (vLLM's own, and the
+    trainer ranks' under torchrun) alone. Rank 0 hosts the rendezvous store on a socket
+    it bound itself (no race for the port, and no torchrun agent store: see
+    spawn_with_env). Its timeout is explicit: the helper's default is the backend's (NCCL
+    10 min, gloo 30 min), and a push's join may wait as long as its stall bound (drain; 1460 s
+    measured during the CPU warm-up), past which NCCL's watchdog would abort the process
+    before our watchdog could name the engine. WEIGHT_GROUP_TIMEOUT_S (1 h) is above our
+    bounds, so wait() reports first; forming the group, which it bounds too, is watched by
+    GeneratorHandle.form_group."""
+    from datetime import timedelta
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    group = stateless_init_torch_distributed_process_group(
+        host,
+        port,
+        rank,
+        world_size=world_size,
+        backend=backend,
+        listen_socket=listen_socket,
+        timeout=timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S),
+    )
+    return nccl_wait_test_hook(group)
+
+
+def wait(group, work, check):
+    """Hold this thread until `work`, a collective of the weight group, has completed, on
+    every backend. NCCL's work.wait() does not block the CPU: it makes the current stream wait
+    for the collective and returns (ProcessGroupNCCL.hpp, WorkNCCL::wait; it blocks only under
+    TORCH_NCCL_BLOCKING_WAIT), and a dead peer does not fail an NCCL collective: it hangs until
+    the group's timeout, when NCCL's watchdog aborts the process without a word of ours. So:
+    poll is_completed() every POLL_S and, between polls, check(), which raises when a peer is
+    gone (the trainer's: an engine process exited; an engine's: its trainer did). Then the
+    group is aborted (NCCL: its communicators, which no collective queued on the dead peer
+    would leave; gloo has nothing to abort, its collective failed with "Connection closed by
+    peer") and the error goes to the caller, which reports it as it did gloo's. A stuck
+    peer is the trainer's push watchdog's (GeneratorHandle.push_stalled): it kills the engines
+    that are late, and the check sees them gone. Once completed, work.wait() raises gloo's
+    error, or on NCCL orders the current stream after the collective, so what the CPU reads
+    next from that stream (tolist() synchronizes it) is what arrived."""
+    while not work.is_completed():
+        try:
+            check()
+        except RuntimeError:
+            group.abort()
+            raise
+        time.sleep(POLL_S)
+    work.wait()
+
+
+def checksum(t):
+    """Two integers that change whenever a bit of `t` changes (unless changes cancel out
+    exactly): t's bytes read as int32 words, summed over its first half and over its second
+    half, each wrapping mod 2^32, as an int32 tensor of 2 on t's device. Integer sums are
+    exact mod 2^32 and do not depend on their order, so the same bits give the same two
+    numbers on the CPU and on a GPU. One kernel a tensor, which reads t once and writes 8
+    bytes (and two views): the sum is asked for in int32, the words' own type, because torch
+    casts a whole copy of its input first when the dtype differs (an int16 view summed into
+    int64: a copy 4x the tensor). send_weights and WeightReceiver.receive_weights add them up
+    per push into int64 (one more kernel each): 2^31 x a model's tensors x the engines stays
+    far inside it. Where it sits: on a GPU the kernels queue on the current stream (the CPU
+    pays their launches, the stream a read of the bytes before the next forward); on CPU the
+    trainer's thread reads every tensor once as it posts it, and the engine's every tensor
+    that arrives. A tensor whose bytes are not whole int32 words in two equal halves (an
+    odd-length bf16 vector; none of Qwen3's) is copied once, padded with zeros."""
+    import torch
+
+    size = t.element_size()
+    whole = t.numel() * size % 8 == 0 and t.dim() and t.shape[-1] * size % 4 == 0 and t.storage_offset() * size % 4 == 0
+    if whole and t.is_contiguous():
+        words = t.view(torch.int32)
+    else:
+        b = t.reshape(-1).view(torch.uint8)
+        words = torch.cat([b, b.new_zeros(-len(b) % 8)]).view(torch.int32)
+    return words.view(2, -1).sum(1, dtype=torch.int32)
+
+
+def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
+    """Once every engine has joined the push (an allreduce: it completes when the last
+    one arrives; drain's wait, which this holds the trainer for), post a broadcast of every
+    tensor from rank 0 and the acknowledgement (an allreduce of the versions the workers
+    load, which they add once every tensor has arrived) without waiting for them: the
+    process group moves them on its own threads (gloo) or stream (NCCL) while the trainer
+    goes on. A tensor posted is held until it has gone out: past `budget` bytes in flight
+    (PUSH_SEND_BYTES; preflight.memory_plan), the trainer waits for the oldest (the CPU
+    waits, so on NCCL too at most the budget is queued, and the next step's forward is not
+    queued behind the rest of the push). Every wait is wait()'s, with `check` (raises when a
+    peer is gone). Returns (done, finish): done() says whether the ack is in, finish() waits
+    for it and returns (the ack: the versions and the checksums of what arrived, summed over
+    the engines; the checksum of what was sent; the positions of the tensors that changed
+    while the push was in flight).
+
+    Every tensor sent must stay unchanged until finish(): with one trainer rank and the
+    generator's dtype they are the parameters themselves, which the next optimizer step
+    overwrites. The guard has two parts, neither on the trainer's thread beyond a counter:
+    - a change: each tensor's version counter (torch's `_version`, which every in-place op on
+      it or a view of it increments: the optimizer's step, a load_state_dict) is noted as it
+      is posted and compared in finish(). Exact, and free: no byte is read.
+    - what arrived: checksum() of every tensor, read by a thread of its own as the tensors
+      are posted (one read of the model: ~0.07x a raw broadcast on CPU, where gloo moves
+      ~1.3 GB/s; on a GPU its launches), against the engines' checksums of what they
+      received. Read after posting, it may read a tensor before or after it went out; both
+      reads see the same bytes unless the tensor changed in between, which the counter
+      shows. So a push that arrives other than it was sent raises in settle either way."""
+    import collections
+    import threading
+    import torch
+
+    wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)  # "all here"
+    works, held = collections.deque(), 0  # (bytes, work) in flight; their bytes
+    sent = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor, added up
+    posted, to_read = [], queue.SimpleQueue()  # (tensor, its version counter when posted); the reader's
+
+    def read():  # the checksums, off the trainer's thread (torch's kernels release the GIL)
+        while (t := to_read.get()) is not None:
+            sent.add_(checksum(t))
+
+    reader = threading.Thread(target=read, name="push-checksum", daemon=True)
+    reader.start()
+    try:
+        for t in tensors:
+            t = t.to(device).contiguous()
+            size = t.numel() * t.element_size()
+            while works and held + size > budget:
+                n, work = works.popleft()
+                wait(group, work, check)
+                held -= n
+            posted.append((t, t._version))
+            works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
+            to_read.put(t)
+            held += size
+    finally:
+        to_read.put(None)  # the reader ends: on an error too
+    ack = torch.zeros(3, dtype=torch.int64, device=device)  # each engine adds its version and checksums
+    works.append((0, group.allreduce(ack)))
+
+    def finish():
+        for _, work in works:
+            wait(group, work, check)
+        reader.join()
+        return ack.tolist(), sent.tolist(), [i for i, (t, v) in enumerate(posted) if t._version != v]
+
+    return works[-1][1].is_completed, finish
+
+
+def buffer_device(backend, worker_device):
+    """Where the worker receives a broadcast: nccl moves GPU tensors, gloo CPU tensors
+    (also for one shared GPU, where NCCL refuses two ranks on the same device). Decided
+    on the backend string devices.resolve_devices chose: torch's ProcessGroup.name()
+    answers lowercase "nccl"/"gloo", so a test against "NCCL" sent CPU buffers into
+    an NCCL broadcast (test_generator.py::test_buffer_device_follows_backend)."""
+    return worker_device if backend == "nccl" else "cpu"
+
+
+def receive_broadcast(engine, version, specs, ahead_bytes=PUSH_AHEAD_BYTES):
+    """Generator.receive in the generator process: the trainer broadcasts the weights
+    (`specs` says which tensors, in order); the worker receives and loads them. Returns,
+    with several engines, when the last one joined the push (None with one)."""
+    return engine.collective_rpc("receive_weights", args=(version, specs, ahead_bytes))[0]
+
+
+class WeightReceiver:
+    """vLLM worker extension (`worker_extension_cls`): these methods run inside the
+    vLLM worker, called through `engine.collective_rpc(name, args)`."""
+
+    def init_weight_group(self, host, port, rank, world_size, backend, trainer):
+        """Join the weight group; `trainer`, the trainer's pid, is this process's parent (the
+        worker runs in the generator process: VLLM_ENABLE_V1_MULTIPROCESSING=0, one device per
+        engine), which the waits watch (wait)."""
+        if os.getppid() != trainer:
+            raise RuntimeError(f"vLLM's worker runs outside the generator process (its parent {os.getppid()})")
+        self.weight_group = init_weight_group(host, port, rank, world_size, backend)
+        self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
+        self.trainer = trainer
+
+    def check_trainer(self):
+        """For wait(): raise once the trainer is gone (this process was handed to another parent)."""
+        if os.getppid() != self.trainer:
+            raise RuntimeError(f"the trainer (pid {self.trainer}) is gone")
+
+    def receive_weights(self, version, specs, ahead_bytes):
+        """Join the push, then receive every tensor into a buffer of its own, the broadcasts
+        posted ahead of what vLLM's loader has taken by at most `ahead_bytes`, so that the
+        transfer goes on (on the process group's own threads, or NCCL's stream) while the
+        loader loads. The trainer is released (the ack: the version, and the checksum of every
+        tensor that arrived, which the trainer holds against what it sent) once the last tensor
+        has arrived, not once it is loaded. No engine step runs before this returns, so nothing samples
+        from a half-loaded model; a push that breaks halfway raises here, and the generator
+        process ends. Returns, with several engines, the time every engine had joined
+        (before that, this one was waiting for the others to finish draining: idle, not
+        loading); None with one."""
+        import collections
+        import torch
+
+        device = buffer_device(self.weight_backend, self.device)
+        group, check = self.weight_group, self.check_trainer
+        wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)  # all engines here
+        joined = time.time() if group.size() > 2 else None  # when the last one came (wait: not when posted)
+        # The engine's memory holds no second copy of the model: vLLM's layerwise reload keeps
+        # a received tensor only until its module (q+k+v, gate+up, an embedding) is complete,
+        # then copies it in place and lets it go (vllm/model_executor/model_loader/reload/
+        # layerwise.py). Each tensor gets a fresh buffer (a reused one would be overwritten
+        # while vLLM still holds it). Besides what vLLM holds (about a module), the buffers
+        # posted and not yet taken are at most `ahead_bytes`, or one tensor when a single one
+        # is larger (preflight.engine_plan). The posting is done here, by the loader's thread:
+        # a receiving thread of our own (tried first) blocked the trainer longer (2.26x a raw
+        # broadcast in bench_sync, one push of 44 s) and grew the engine more (220 MiB above its
+        # start), likely because it needed the GIL after every tensor while the loader ran
+        # Python, and allocated from a malloc arena of its own that the loader's frees never
+        # shrank. The group's own threads need no GIL.
+        posted = collections.deque()  # (name, buffer, the broadcast's work), in send order
+        ahead, done, ack = 0, 0, []  # bytes posted and not taken; tensors taken; the ack's work
+        got = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor that arrived
+
+        def received():  # what vLLM's loader iterates over
+            nonlocal ahead
+            for name, dtype, shape in specs:
+                dtype = getattr(torch, dtype)
+                size = math.prod(shape) * dtype.itemsize
+                while posted and ahead + size > ahead_bytes:  # wait for the oldest, hand it over
+                    yield take()
+                t = torch.empty(shape, dtype=dtype, device=device)
+                posted.append((name, t, group.broadcast(t, root=0)))
+                ahead += size
+            while posted:
+                yield take()
+
+        def take():
+            nonlocal ahead, done
+            name, t, work = posted.popleft()
+            try:  # the CPU waits until the bytes are here (not only the stream), so `ahead` is true
+                wait(group, work, check)
+            except RuntimeError as e:  # a dead trainer or engine: "Connection closed by peer", or check's
+                # vLLM would put the old tensors back into the layers it got nothing for and
+                # build the half-received ones from what arrived: never step on that
+                raise RuntimeError(
+                    f"the push of v{version} broke after {done} of {len(specs)} tensors; "
+                    "this engine's weights are half loaded, so it stops"
+                ) from e
+            ahead -= t.numel() * t.element_size()
+            done += 1
+            got.add_(checksum(t))  # what arrived, before vLLM's loader takes it
+            if done == len(specs):  # every byte is here: release the trainer before the last load
+                mine = torch.cat([torch.tensor([version], dtype=torch.int64, device=device), got])
+                ack.append(group.allreduce(mine))
+            return name, t
+
+        # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
+        # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
+        # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
+        self.reload_weights(weights_iterator=die_test_hook(version, specs, received(), "ENGINE_DIES_IN_PUSH"))
+        if done < len(specs):  # vLLM's loader stopped taking tensors: some layers were not loaded
+            raise RuntimeError(f"vLLM loaded {done} of the {len(specs)} tensors of v{version}; this engine stops")
+        wait(group, ack[0], check)
+        return joined
+
+
+# -----------------------------------------------------------------------------
+# test hooks (tests/test_reliability.py, tests/test_generator.py)
+
+
+def stall_test_hook(kind, n, engine):
+    """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_STALL_AT_STEP=N in the
+    environment the generator hangs forever before its N-th engine step, with
+    INFLIGHT_TEST_STALL_AT_PUSH=V before it joins the push of version V, with
+    INFLIGHT_TEST_STALL_AT_GROUP=1 before it joins the weight group, alive and
+    silent, as a stuck engine or a deadlocked worker would; with
+    INFLIGHT_TEST_STALL_ENGINE=i, only engine i does."""
+    if n == int(os.environ.get(f"INFLIGHT_TEST_STALL_AT_{kind.upper()}", 0)) and os.environ.get(
+        "INFLIGHT_TEST_STALL_ENGINE", str(engine)
+    ) == str(engine):
+        while True:
+            time.sleep(3600)
+
+
+def die_test_hook(version, specs, tensors, who="DIE_IN_PUSH"):
+    """TEST HOOK (test_reliability.py, test_generator.py): with INFLIGHT_TEST_DIE_IN_PUSH=V in
+    the environment the trainer kills itself (-9) once it has sent half the tensors of the push
+    of version V, as a trainer lost halfway through a push; with INFLIGHT_TEST_ENGINE_DIES_IN_PUSH=V
+    (who="ENGINE_DIES_IN_PUSH", WeightReceiver.receive_weights) the engine does, once it has
+    received half of them."""
+    if version != int(os.environ.get(f"INFLIGHT_TEST_{who}", 0)):
+        return tensors
+
+    def halfway():
+        import signal
+
+        for i, t in enumerate(tensors):
+            if i == len(specs) // 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield t
+
+    return halfway()
+
+
+class NcclWaits:
+    """TEST HOOK (nccl_wait_test_hook): a gloo group whose works behave as NCCL's do on a GPU."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def broadcast(self, t, root):
+        return NcclWork(self.group.broadcast(t, root=root))
+
+    def allreduce(self, t):
+        return NcclWork(self.group.allreduce(t))
+
+    def __getattr__(self, name):  # size(), rank(), abort(): gloo's
+        return getattr(self.group, name)
+
+
+class NcclWork:
+    """A gloo work as NCCL's on a GPU: wait() without a timeout returns at once (NCCL's makes
+    the current stream wait for the collective and returns: ProcessGroupNCCL.hpp, WorkNCCL::wait),
+    and a collective broken by a dead peer never completes (gloo's fails at once with "Connection
+    closed by peer"; NCCL's hangs until the group's timeout, when NCCL's watchdog aborts the
+    process). Only is_completed() says when the bytes are here."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def is_completed(self):
+        return self.work.is_completed() and self.work.exception() is None
+
+    def wait(self, timeout=None):
+        return True if timeout is None else self.work.wait(timeout)
+
+
+def nccl_wait_test_hook(group):
+    """TEST HOOK (test_generator.py, test_reliability.py): with INFLIGHT_TEST_NCCL_WAITS=1 in
+    the environment (the trainer's, which its engines inherit) the weight group's works
+    behave as NCCL's do on a GPU (NcclWork): a wait that waits and a dead peer that is noticed
+    must come from the code that waits, as they must on a GPU."""
+    return NcclWaits(group) if os.environ.get("INFLIGHT_TEST_NCCL_WAITS") else group

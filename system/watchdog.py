@@ -1,0 +1,124 @@
+"""
+The generator's watchdog, on the trainer's side: how long an engine may stay silent, and what
+the trainer reports when one dies, stalls, or never joins a push (GeneratorHandle mixes it in).
+docs/reliability.md says what a user sees in each case.
+"""
+
+import os
+import queue
+import time
+
+from system.generator import stack_file
+
+
+class GeneratorDied(RuntimeError):
+    pass
+
+
+class Watchdog:
+    """GeneratorHandle's failure paths: every engine's death or stall becomes a GeneratorDied that
+    names the engine and carries its traceback or its Python stack."""
+
+    def name(self, i):
+        return "generator" if self.n == 1 else f"generator engine {i}"
+
+    def stall_bound(self):
+        """Seconds a live generator may send nothing while the trainer waits for it before
+        the trainer calls it stuck (--stall-s overrides). Every answer ends within
+        --max-new-tokens engine steps of its start, so: 30 s (a busy machine's hiccups)
+        + 3 x max_new_tokens x the slowest of the generator's last 256 engine steps
+        (1 s assumed before the first answer brings a measurement). It is logged as
+        stall_bound_s: tiny model, 96 tokens, 2 busy cores: ~1460 s while the engine's
+        ~5 s warm-up steps are in the window (14 steps of 4 x 4 answers), then 78-93 s.
+        An idle engine says it is alive every second, so with several engines one that
+        is stuck is told apart from one with nothing to do. Evaluations allow one bound
+        per wave of as many prompts as an engine holds at once (kv_capacity); a weight
+        push, one bound (drain holds it until the answers in flight finish)."""
+        if self.cfg.get("stall_s"):
+            return self.cfg["stall_s"]
+        return 30 + 3 * self.cfg["max_new_tokens"] * max(s.get("max_step_s", 1.0) for s in self.engine_stats)
+
+    def died(self, i, how, errors=None):
+        """Raise GeneratorDied for engine i, with the engine's own traceback when it sent one.
+        With several engines, one engine's death breaks the others' weight group ("Connection
+        closed by peer"), and they report that: an engine that died without a word (killed)
+        is named as the cause before any engine that failed with a traceback."""
+        self.procs[i].join(timeout=5)
+        errors = dict(errors or {})
+        while True:
+            try:
+                kind, item = self.samples_q.get(timeout=0.5)
+            except queue.Empty:
+                break
+            except (EOFError, OSError):
+                continue
+            if kind == "error":
+                errors.setdefault(item[0], item[1])
+        silent = [j for j, p in enumerate(self.procs) if not p.is_alive() and j not in errors]
+        if silent or not errors:
+            j = i if i in silent or not silent else silent[0]
+            then = f"; then {', '.join(self.name(k) for k in sorted(errors))} failed" if errors else ""
+            raise GeneratorDied(
+                f"{self.name(j)} process died{how if j == i else ''} (exit code {self.procs[j].exitcode}){then}"
+            )
+        k = i if i in errors else min(errors)
+        raise GeneratorDied(f"{self.name(k)} process failed:\n" + errors[k])
+
+    def stalled(self, silent_s, engines):
+        """Engines alive but silent for `silent_s` seconds: stop them and raise
+        GeneratorDied with their last activity and Python stack."""
+        raise GeneratorDied(self.stop_stalled(silent_s, "silent", engines))
+
+    def stop_stalled(self, silent_s, how, engines=None):
+        """Ask each stuck engine for its Python stack (SIGUSR1, see generator_main), kill
+        it, and return the report."""
+        import signal
+
+        reports = []
+        for i in range(self.n) if engines is None else engines:
+            path = stack_file(dict(self.cfg, engine=i))
+            os.kill(self.procs[i].pid, signal.SIGUSR1)
+            for _ in range(50):  # written from a signal handler: milliseconds, unless the process is frozen
+                time.sleep(0.1)
+                if os.path.exists(path) and os.path.getsize(path) > 0:
+                    time.sleep(0.2)  # let every thread's stack land
+                    break
+            self.procs[i].kill()
+            self.procs[i].join()
+            with open(path) as f:
+                stack = f.read().strip() or "(no stack: the process did not answer SIGUSR1)"
+            now, e = time.time(), self.last_event[i]
+            last = f"{e['what']} under v{e['version']}, {now - e['t']:.0f}s ago" if e else "no activity reported"
+            reports.append(
+                f"{self.name(i)} stalled: alive but {how} for {silent_s:.0f}s (last message, "
+                f"{self.last_msg[i][1]}: {now - self.last_msg[i][0]:.0f}s ago; last activity it "
+                f"reported: {last}); stopped it. Its Python stack ({path}):\n{stack}"
+            )
+        self.stall_report = "\n".join(reports)
+        return self.stall_report
+
+    def check_engines(self):
+        """For wait(): raise once an engine process has exited (a dead peer never fails an NCCL
+        collective; push_broke names it)."""
+        if any(not p.is_alive() for p in self.procs):
+            raise RuntimeError("an engine of the weight group exited")
+
+    def push_stalled(self, silent_s):
+        """The push watchdog: the engines that have not joined this push (they never reached
+        the load: stuck, or still draining a stuck answer) are stopped, and named; if every
+        engine joined, the push itself is stuck, and all are. A push whose acknowledgement
+        is in is not stuck, however long the trainer takes to settle it."""
+        if self.pending and not self.pushing():
+            return
+        late = [i for i in range(self.n) if self.joined[i].value < self.version]
+        self.stop_stalled(silent_s, "not taking new weights", late or None)
+
+    def push_broke(self, watchdog, e):
+        """A dead peer breaks the broadcast: say why it died."""
+        self.broke = True
+        watchdog.cancel()
+        watchdog.join()  # a report being written: wait for it
+        if self.stall_report:
+            raise GeneratorDied(self.stall_report) from None
+        dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0)
+        self.died(dead, f" during the weight broadcast ({str(e).splitlines()[0][:200]})")

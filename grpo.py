@@ -529,6 +529,49 @@ def optimizer_step(model, opt, loss):
     return norm
 
 
+class OneRank:
+    """One trainer process (lesson.py; train.py without torchrun): system.ranks.Ranks' collectives,
+    each the identity."""
+
+    gather = staticmethod(lambda x: [x])
+    sum = staticmethod(lambda *values: values)
+    reshard = staticmethod(lambda model: None)
+
+
+def pi_old(cfg, model, parts, device="cpu", ranks=OneRank):
+    """Several steps per batch, or m2po: log pi_old of every part's answers before any weight moves
+    (old_logprobs), then the ranks' FSDP2 shards put back (system.ranks.Ranks.reshard)."""
+    if needs_pi_old(cfg):
+        for answers, adv, _, n_micro in parts:
+            old_logprobs(cfg, model, answers, adv.to(device), device, n_micro)
+        ranks.reshard(model)
+
+
+def step(cfg, model, opt, it, parts, device="cpu", ranks=OneRank, settle=lambda: None):
+    """--minibatches AdamW steps, one per part: (answers, advantages, token weights, micro-batches).
+    Both loops take it: train.py passes what only it has (its ranks' collectives, the push guard's
+    settle), lesson.py nothing. Returns what the steps log, summed over the ranks."""
+    model.train()
+    for group in opt.param_groups:
+        group["lr"] = lr_at(cfg, it)
+    pi_old(cfg, model, parts, device, ranks)
+    total = None  # what the parts add up to: loss, |log pi - log mu|, its tokens, off-policy sums, grad norm
+    for answers, adv, weights, n_micro in parts:
+        opt.zero_grad(set_to_none=True)
+        step_cfg = loss_settings(cfg, answers, adv, ranks.gather)  # m2po: its cutoff over every rank's tokens
+        out = ranks.sum(*train_step(step_cfg, model, answers, adv.to(device), weights.to(device), device, n_micro))
+        settle()  # train.py: the last push may still be reading the weights this step overwrites
+        out = (*out, optimizer_step(model, opt, out[0]))
+        total = [a + b for a, b in zip(total, out)] if total else list(out)
+    loss, gap, gap_tokens, *sums, grad_norm = total
+    return dict(
+        loss=loss / len(parts),
+        grad_norm=grad_norm / len(parts),
+        behaviour_gap=gap / max(1, gap_tokens),
+        **offpolicy_metrics(sums),
+    )
+
+
 # -----------------------------------------------------------------------------
 # what a step logs (metrics.jsonl: the run directory's contract, system/runlog.py)
 

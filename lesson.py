@@ -54,23 +54,10 @@ from engine import Generator, as_tensors, load_in_place, make_engine, vllm_env
 os.environ.update(vllm_env())
 
 import config
+import grpo
 from data import UsageError, load_splits, prompt_ids
 from reward import scored
-from grpo import (
-    batch_metrics,
-    generator_metrics,
-    loss_settings,
-    lr_at,
-    minibatches,
-    needs_pi_old,
-    offpolicy_metrics,
-    old_logprobs,
-    optimizer_step,
-    run_tokens,
-    score_batch,
-    token_weights,
-    train_step,
-)
+from grpo import batch_metrics, generator_metrics, minibatches, needs_pi_old, run_tokens, score_batch, token_weights
 from pool import Pool, pool_stats
 from system.preflight import check_budget, check_model
 from regimes import make_regime
@@ -145,34 +132,19 @@ def fresh_run_dir(out):
 
 
 def train_on(cfg, model, opt, tokenizer, step, batch, version):
-    """The trainer's step: rewards and group advantages, then --minibatches AdamW steps, each
-    on its part of the batch, the off-policy-corrected loss over micro-batches (grpo.py:
-    train.py takes the same steps, on each rank's share). Returns the step's metrics."""
+    """The trainer's step: rewards and group advantages, then grpo.step (train.py takes the same
+    step, on each rank's share). Returns its metrics, run_tokens what the clock charges for it."""
     adv, scores = score_batch(cfg, tokenizer, batch, version)
-    parts = minibatches(len(batch), cfg["minibatches"])
-    if needs_pi_old(cfg):  # pi_old, before the first step moves the weights (a forward: a third of a step's work)
-        old_logprobs(cfg, model, batch, adv, "cpu")
-    for group in opt.param_groups:
-        group["lr"] = lr_at(cfg, step)
-    total = None  # what the parts add up to: loss, |log pi - log mu|, its tokens, off-policy sums, grad norm
-    for idx in parts:
-        part = [batch[i] for i in idx]
-        opt.zero_grad(set_to_none=True)
-        step_cfg = loss_settings(cfg, part, adv[idx])  # m2po: its mask's cutoff over the part's tokens
-        out = train_step(step_cfg, model, part, adv[idx], token_weights(cfg, part), "cpu")
-        out = (*out, optimizer_step(model, opt, out[0]))
-        total = [a + b for a, b in zip(total, out)] if total else list(out)
-    loss, gap, gap_tokens, *sums, grad_norm = total
-    cost = sum(run_tokens(cfg, [batch[i] for i in idx], adv[idx]) for idx in parts)
-    return dict(
-        **scores,
-        loss=loss / len(parts),
-        grad_norm=grad_norm / len(parts),
-        behaviour_gap=gap / max(1, gap_tokens),
-        **offpolicy_metrics(sums),
-        **batch_metrics(batch, adv, version),
-        run_tokens=cost + (run_tokens(cfg, batch, adv) / 3 if needs_pi_old(cfg) else 0),
-    )
+    parts = [
+        (part, adv[idx], token_weights(cfg, part), 0)
+        for idx in minibatches(len(batch), cfg["minibatches"])
+        for part in [[batch[i] for i in idx]]
+    ]
+    cost = sum(run_tokens(cfg, part, part_adv) for part, part_adv, *_ in parts)
+    if needs_pi_old(cfg):  # pi_old: a forward of every answer, a third of a step's work
+        cost += run_tokens(cfg, batch, adv) / 3
+    m = grpo.step(cfg, model, opt, step, parts)
+    return dict(**scores, **m, **batch_metrics(batch, adv, version), run_tokens=cost)
 
 
 def main(argv=None, engine=None):

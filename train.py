@@ -6,21 +6,16 @@ generator gets new weights (--regime, see regimes.py).
     python train.py --regime stale --preset long               # long answers: stale tokens appear
     python train.py --regime recompute --dataset gsm8k         # Qwen3-0.6B, vLLM on GPU 0, trainer on GPU 1
     python train.py --resume out/<run>                         # continue a run where its checkpoint left it
-    torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines (system/ranks.py)
+    torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines
 
-Two processes: this one (the trainer) and the generator (system/generator.py: a vLLM
-engine stepped one decode step at a time). Finished answers come over a bounded
-queue; new weights go to the vLLM worker by torch.distributed broadcast after
-every optimizer step. What guards the run before it starts is in system/preflight.py, where
-each process runs in system/devices.py, the run directory in system/runlog.py (the logs) and
-system/checkpoint.py (checkpoint, resume), what several trainer ranks add (torchrun, FSDP2) in
-system/ranks.py: one line each here. Read it with one process in mind: with one, each
-ranks.* call is the identity.
-
-The algorithm is lesson.py's, on a simulated clock in one process there: read that
-first. The same pieces run here: the Generator and its regimes (engine.py,
-regimes.py), the pool (pool.py), the loss and the step (grpo.py: what the loss
-simplifies is said there), the flags and presets (config.py).
+The algorithm is lesson.py's, on a simulated clock in one process there: read that first.
+The same pieces run here (the Generator and its regimes, the pool, grpo.step, the flags),
+in two processes that work at the same time: this one, the trainer, and the generator (a
+vLLM engine stepped one decode step at a time). Finished answers come over a bounded queue;
+new weights go to the vLLM worker by torch.distributed broadcast after every optimizer step.
+What that takes is in system/: the generator process and its handle, the checks before a
+run, where each process runs, the run directory and checkpoints, torchrun's ranks; one line
+each here. Read it with one process in mind: with one, each ranks.* call is the identity.
 """
 
 import argparse
@@ -31,30 +26,24 @@ import sys
 import time
 
 import config
+import grpo
 from data import UsageError, load_splits, prompt_ids
-from system.devices import prepare
 from grpo import (
     LOGIT_CHUNK_BYTES,
     TrainingDiverged,
     activation_checkpointing,
     batch_metrics,
     generator_metrics,
-    loss_settings,
-    lr_at,
     micro_batches,
     minibatches,
-    needs_pi_old,
-    offpolicy_metrics,
-    old_logprobs,
-    optimizer_step,
     run_tokens,
     score_batch,
     token_weights,
-    train_step,
 )
+from system.checkpoint import cut_logs, load_trainer_state, resume_config, save_checkpoint
+from system.devices import prepare
 from system.preflight import check_budget, check_kv_plan, check_memory_plan, check_model
 from system.ranks import Ranks
-from system.checkpoint import cut_logs, load_trainer_state, resume_config, save_checkpoint
 from system.runlog import RunLog, step_line, write_ledger
 
 # -----------------------------------------------------------------------------
@@ -242,7 +231,7 @@ def main(argv=None):
                 for idx in minibatches(len(batch), cfg["minibatches"])
                 for part in [[batch[i] for i in idx]]
             ]
-            trained = optimize(cfg, model, opt, ranks, step, parts, device, settle=settle)
+            trained = grpo.step(cfg, model, opt, step, parts, device, ranks, settle)
 
             # 4. push the new weights to the generator (drain holds the push until its answers finish);
             # the tensors go out while the next step waits for its groups and runs its forward and
@@ -311,48 +300,12 @@ def main(argv=None):
         print("plot:", plot_run(cfg["out"]))
 
 
-def optimize(cfg, model, opt, ranks, step, parts, device, settle=lambda: None):
-    """--minibatches optimizer steps, one per part of the batch: `parts` holds this rank's
-    share of each (ranks.scatter: all of it with one rank), each answer's tokens weighted
-    by token_weights of the whole part. Several steps (and m2po): pi_old first, before any
-    weight moves (grpo.old_logprobs). settle() is called before the first weight moves (rank 0:
-    the last push may still be reading them). Returns what the steps log, over all ranks."""
-    model.train()
-    for group in opt.param_groups:
-        group["lr"] = lr_at(cfg, step)
-    pi_old(cfg, model, ranks, parts, device)
-    total = None  # what the parts add up to: loss, |log pi - log mu|, its tokens, off-policy sums, grad norm
-    for share, adv, weights, n_micro in parts:
-        opt.zero_grad(set_to_none=True)
-        step_cfg = loss_settings(cfg, share, adv, ranks.gather)  # m2po: its mask's cutoff over every rank's tokens
-        out = ranks.sum(*train_step(step_cfg, model, share, adv.to(device), weights.to(device), device, n_micro))
-        settle()
-        out = (*out, optimizer_step(model, opt, out[0]))
-        total = [a + b for a, b in zip(total, out)] if total else list(out)
-    loss, gap, gap_tokens, *sums, grad_norm = total
-    return dict(
-        loss=loss / len(parts),
-        grad_norm=grad_norm / len(parts),
-        behaviour_gap=gap / max(1, gap_tokens),
-        **offpolicy_metrics(sums),
-    )
-
-
-def pi_old(cfg, model, ranks, parts, device):
-    """Several steps per batch, or m2po: log pi_old of every part's answers before any weight
-    moves (grpo.old_logprobs), then the ranks' FSDP2 shards put back (Ranks.reshard)."""
-    if needs_pi_old(cfg):
-        for share, adv, _, n_micro in parts:
-            old_logprobs(cfg, model, share, adv.to(device), device, n_micro)
-        ranks.reshard(model)
-
-
 def follow(cfg, model, opt, ranks, start_step, gen_dtype, device):
     """Trainer ranks 1..K-1 under torchrun (system/ranks.py): each step, take the share of the
     batch rank 0 hands out, the same optimizer step, help gather the weights rank 0
     pushes and the checkpoints it saves. Rank 0 does everything else."""
     for step in range(start_step + 1, cfg["steps"] + 1):
-        optimize(cfg, model, opt, ranks, step, [ranks.scatter() for _ in range(cfg["minibatches"])], device)
+        grpo.step(cfg, model, opt, step, [ranks.scatter() for _ in range(cfg["minibatches"])], device, ranks)
         for _ in ranks.weights(model, gen_dtype)[1]:  # the gather is collective; rank 0 broadcasts
             pass
         if saves_at(cfg, step):

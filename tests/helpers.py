@@ -250,7 +250,7 @@ def check_sync_is_exact(model_args=(), tol=1e-3, posted=True):
         # 2. the right push: the whole state_dict; twice (the receiver keeps nothing
         # between pushes: a second one must not depend on the first). The second as train.py
         # pushes: posted without waiting, through a send budget far below the model (so the
-        # trainer waits for its oldest sends), while the next step (train.optimize) runs its
+        # trainer waits for its oldest sends), while the next step (grpo.step) runs its
         # forward and backward on the very tensors in flight, settles, and then moves them
         # with an AdamW step. settle() held the checksums of what arrived against what was
         # sent, bit for bit; the answers must come from the weights as they were pushed.
@@ -315,17 +315,15 @@ def check_sync_is_exact(model_args=(), tol=1e-3, posted=True):
 
 
 def overlap_a_step(cfg, model, batch, settle):
-    """train.py's next step while a push is in flight: train.optimize on `batch` (its
+    """train.py's next step while a push is in flight: grpo.step on `batch` (its
     forward and backward, then settle(), then an AdamW step at a learning rate that moves
     every weight), as train.py's loop calls it."""
-    import train
-    from grpo import token_weights
-    from system.ranks import Ranks
+    import grpo
 
     adv = torch.tensor([1.0, -1.0] * (len(batch) // 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     step_cfg = dict(cfg, lr=1e-2, warmup_steps=0, lr_schedule="constant", temperature=1.0)
-    train.optimize(step_cfg, model, opt, Ranks(), 1, [(batch, adv, token_weights(step_cfg, batch), 0)], "cpu", settle)
+    grpo.step(step_cfg, model, opt, 1, [(batch, adv, grpo.token_weights(step_cfg, batch), 0)], "cpu", settle=settle)
 
 
 def check_stale_reads_old_kv(model_args=(), tol=1e-3, n=32):

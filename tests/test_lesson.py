@@ -210,59 +210,6 @@ def test_weights_load_when_the_clock_says(regime, tmp_path):
     assert measured == pytest.approx({k: cfg[k] for k in ("step_s", "prefill_s", "train_s", "load_s")}, rel=1e-3)
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ["--loss", "ppo", "--loss-agg", "answer"],  # the non-default paths
-        ["--loss", "gspo", "--minibatches", "2"],
-    ],
-)
-def test_the_step_is_train_pys(flags, tmp_path):
-    """lesson.train_on and train.py's optimize (one rank) on the same batch and
-    weights: the same loss, gradient norm and new weights, bit for bit; with several
-    optimizer steps per batch too."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    import train
-    from grpo import minibatches, score_batch, token_weights
-    from system.ranks import Ranks
-
-    cfg = lesson.parse_config(flags)
-    tok = AutoTokenizer.from_pretrained(cfg["model_path"])
-    texts = ["3+4=7. #### 7", "3+4=8. #### 8", "5-1=4. #### 4", "nothing"] * 2  # two groups of 4
-    cfg["group_size"] = 4
-    g = torch.Generator().manual_seed(0)
-    batch = []
-    for i, t in enumerate(texts):
-        ids = torch.tensor(tok(t, add_special_tokens=False)["input_ids"])
-        batch.append(
-            dict(
-                prompt_ids=torch.tensor(tok("Ann has 3.", add_special_tokens=False)["input_ids"]),
-                token_ids=ids,
-                logprobs=-torch.rand(len(ids), generator=g) - 0.5,
-                answer="7" if i < 4 else "4",
-                finish_reason="stop",
-                versions=torch.zeros(len(ids), dtype=torch.int32),
-                stale=torch.zeros(len(ids), dtype=torch.bool),
-            )
-        )
-    models = [AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32) for _ in range(2)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=0.0) for m in models]
-    ours = lesson.train_on(cfg, models[0], opts[0], tok, 3, batch, 0)
-    adv, scores = score_batch(cfg, tok, batch)
-    assert adv.abs().sum() > 0 and scores["reward_mean"] == ours["reward_mean"] == 0.25
-    parts = [
-        ([batch[i] for i in idx], adv[idx], token_weights(cfg, [batch[i] for i in idx]), 0)
-        for idx in minibatches(len(batch), cfg["minibatches"])
-    ]
-    theirs = train.optimize(cfg, models[1], opts[1], Ranks(), 3, parts, "cpu")
-    assert (ours["loss"], ours["grad_norm"], ours["kl"]) == (theirs["loss"], theirs["grad_norm"], theirs["kl"])
-    for (k, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert torch.equal(p, q), k
-    assert not torch.equal(
-        models[0].model.norm.weight, AutoModelForCausalLM.from_pretrained(cfg["model_path"]).model.norm.weight
-    ), "the step moved nothing: the comparison proves nothing"
-
-
 def test_the_first_sitting_is_what_the_loop_calls(tmp_path):
     """docs/course.md's first sitting against what lesson.py's loop runs, watched with
     sys.setprofile over a short run of each regime at the default loss: every function of

@@ -87,11 +87,10 @@ def step_cfg(loss):
 def grads_job(out, *cases):
     """Run by each of 2 ranks (torchrun): for each case "LOSSES:CHECKPOINTING", a fresh
     model (with activation checkpointing as train.py --grad-checkpointing on sets it up, if
-    "on"), and the step of train.optimize, gradients gathered, for each of the
+    "on"), and the step of grpo.step, gradients gathered, for each of the
     comma-separated LOSSES in turn."""
     import torch.distributed as dist
     import grpo
-    import train
     from system.ranks import Ranks
 
     torch.set_num_threads(1)
@@ -118,7 +117,7 @@ def grads_job(out, *cases):
                 sum(len(s["token_ids"]) for s in share),
                 len(grpo.micro_batches([s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])),
             )
-            train.pi_old(cfg, model, ranks, [(share, share_adv, weights, n_micro)], "cpu")  # m2po: then its mask
+            grpo.pi_old(cfg, model, [(share, share_adv, weights, n_micro)], "cpu", ranks)  # m2po: then its mask
             cfg = grpo.loss_settings(cfg, share, share_adv, ranks.gather)
             model.zero_grad(set_to_none=True)
             total, gap, gap_tokens, *_ = ranks.sum(
@@ -152,7 +151,7 @@ def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, two_ra
     rank more tokens and more micro-batches: the other runs empty ones); ppo with the
     per-answer mean (--loss-agg answer), whose weights depend on the whole batch; and
     with activation checkpointing under FSDP2 (on by default on GPUs), against one
-    process without it. m2po comes after the others' steps: its pi_old (train.pi_old) is a
+    process without it. m2po comes after the others' steps: its pi_old (grpo.pi_old) is a
     forward without autograd after a backward, as at every step of a run but the first; before
     Ranks.reshard its gradients were 0.09 off (of 0.2) on the tied embeddings."""
     import grpo

@@ -16,14 +16,19 @@ import time
 
 
 class WallClock:
-    """Real time, for the generator process: the work itself takes the time, so spend()
-    has nothing to add. lesson.SimClock counts the time instead (a cost per unit of work)."""
+    """Real time, for the generator process: the work itself takes the time, so spend() has
+    nothing to add; it notes each engine step, with what the engine held, in `log` (the run's
+    generator-steps.jsonl: what tools/clock_costs.py fits lesson.SimClock's costs to)."""
+
+    def __init__(self, log=None):
+        self.log = log
 
     def now(self):
         return time.time()
 
-    def spend(self, work, tokens=0):
-        pass
+    def spend(self, work, t0=None, **held):
+        if self.log is not None and work == "step":
+            self.log.write(t0, time.time(), **held)
 
 
 # -----------------------------------------------------------------------------
@@ -437,8 +442,15 @@ class Generator:
         for i in range(self.cfg["group_size"]):
             self.submit(Rollout(f"{g}-{i}", pid, g, self.prompts[pid], self.cfg["max_new_tokens"], self.clock.now()))
 
+    def held(self):
+        """What the engine holds before a step: (answers, tokens in their KV), evaluations' included."""
+        evals = [ev for ev in self.eval_out.values() if ev["reason"] is None]
+        kv = sum(len(r.prompt_ids) + len(r.tokens) for r in self.inflight.values())
+        return len(self.inflight) + len(evals), kv + sum(ev["prompt"] + len(ev["ids"]) for ev in evals)
+
     def step(self):
         """One engine step; finished answers go to the outbox."""
+        answers, kv = self.held()  # a step costs more the more it holds (SimClock)
         t0 = self.clock.now()
         outputs = self.engine.step()
         # the KV this step wrote in one go (a request's first output comes from its prefill):
@@ -449,8 +461,7 @@ class Generator:
                 prefilled += r.prefill_tokens()
             elif (ev := self.eval_out.get(out.request_id)) is not None and not ev["ids"]:
                 prefilled += ev["prompt"]
-        self.clock.spend("step", prefilled)
-        self.prefilled = prefilled  # what the step wrote in one go (the generator process logs it per step)
+        self.clock.spend("step", t0, answers=answers, kv=kv, prefilled=prefilled)
         t1, self.steps = self.clock.now(), self.steps + 1
         inflight, version, step = self.inflight, self.version, self.steps  # locals: this loop runs per answer per step
         tokens = rebuilt = 0

@@ -61,7 +61,7 @@ from grpo import batch_metrics, generator_metrics, minibatches, needs_pi_old, ru
 from pool import Pool, pool_stats
 from system.preflight import check_budget, check_model
 from regimes import make_regime
-from system.runlog import Budgets, RunLog, step_line, write_ledger
+from system.runlog import Budgets, RunLog, StepLog, step_line, write_ledger
 
 
 class SimClock:
@@ -69,17 +69,19 @@ class SimClock:
     each engine step and each weight load (engine.WallClock, in the generator process,
     spends nothing: there the work itself takes the time)."""
 
-    def __init__(self, cfg):
-        self.t, self.cfg = 0.0, cfg
+    def __init__(self, cfg, log):
+        self.t, self.cfg, self.log = 0.0, cfg, log  # log: a StepLog, what each engine step was charged
 
     def now(self):
         return self.t
 
-    def spend(self, work, tokens=0):
-        if work == "step":
-            self.t += self.cfg["step_s"] + self.cfg["prefill_s"] * tokens
+    def spend(self, work, t0=None, answers=0, kv=0, prefilled=0):
+        c = self.cfg
+        if work == "step":  # what the engine held (answers, tokens in their KV) and wrote in one go
+            self.t += c["step_s"] + c["answer_s"] * answers + c["kv_s"] * kv + c["prefill_s"] * prefilled
+            self.log.write(t0, self.t, answers, kv, prefilled)
         else:  # "load"
-            self.t += self.cfg["load_s"]
+            self.t += c["load_s"]
 
     def wait_until(self, t):
         """Nothing to do until t: time jumps there. Returns the seconds waited."""
@@ -101,6 +103,8 @@ def parse_config(argv=None):
     config.add_flags(p, "lesson")  # train.py's flags, defaults and presets, where they apply
     # the defaults: tools/clock_costs.py on a train.py run (docstring); yours: run it on one of your runs
     p.add_argument("--step-s", type=float, default=0.0183, help="simulated seconds per engine step")
+    p.add_argument("--answer-s", type=float, default=0.0, help="... plus this per answer the engine holds")
+    p.add_argument("--kv-s", type=float, default=0.0, help="... plus this per token in their KV cache")
     p.add_argument("--prefill-s", type=float, default=5.3e-5, help="... plus this per token whose KV it prefills")
     p.add_argument(
         "--train-s",
@@ -111,7 +115,7 @@ def parse_config(argv=None):
     p.add_argument("--load-s", type=float, default=0.040, help="simulated seconds per weight load")
     p.add_argument("--eval-at", type=lambda s: sorted(map(float, s.split(","))), default=[], help=Budgets.__doc__)
     cfg = config.fill(vars(p.parse_args(argv)), "lesson")  # and what follows from them (sync: --max-lag 0)
-    for k in ("step_s", "prefill_s", "train_s", "load_s"):
+    for k in ("step_s", "answer_s", "kv_s", "prefill_s", "train_s", "load_s"):
         if not cfg[k] >= 0:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 0 (simulated seconds), got {cfg[k]}")
     if cfg["step_s"] <= 0:
@@ -166,7 +170,8 @@ def main(argv=None, engine=None):
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
-    clock, outbox = SimClock(cfg), []  # outbox: what the generator finished (answers, timeline events)
+    clock = SimClock(cfg, StepLog(os.path.join(cfg["out"], "generator-steps.jsonl")))
+    outbox = []  # what the generator finished: answers, timeline events
     if engine is not None:  # reused: it may hold an earlier run's weights
         load_in_place(engine, 0, model.state_dict())
     gen = Generator(cfg, engine or make_engine(cfg), train_problems, tokenizer, outbox, clock)
@@ -244,6 +249,7 @@ def main(argv=None, engine=None):
             raise RuntimeError("nothing in flight, no weights coming and no batch ready: the loop cannot go on")
 
     gen.abort_all()  # answers still in flight are left unfinished
+    clock.log.flush()
     gen.set_activity("done")
     for event in [item for kind, item in outbox if kind == "event"]:
         log.event(event)

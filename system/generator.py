@@ -17,8 +17,9 @@ import sys
 import time
 import traceback
 
-from engine import Generator, kv_capacity, lane, make_engine
+from engine import Generator, WallClock, kv_capacity, lane, make_engine
 from system.preflight import PUSH_AHEAD_BYTES
+from system.runlog import StepLog
 from system.push import SYNC_HOST, receive_broadcast, stall_test_hook
 
 
@@ -46,9 +47,9 @@ class ProcessGenerator(Generator):
         skip_groups=(),
         start_stats=None,
         queue_size=float("inf"),
-        step_log=None,
+        clock=None,
     ):
-        super().__init__(cfg, engine, problems, tokenizer, outbox, receive=receive)
+        super().__init__(cfg, engine, problems, tokenizer, outbox, clock, receive=receive)
         self.engine_id, self.engines, self.queue_size = engine_id, engines, queue_size
         self.proc = lane(engine_id, engines)
         self.version = self.start_version = start_version  # > 0 when resuming
@@ -57,21 +58,6 @@ class ProcessGenerator(Generator):
         self.skip = set(skip_groups)
         self.rejected = 0  # groups the trainer's pool rejected since this generator started
         self.stats.update(start_stats or {})  # resume: the run's counters at its checkpoint
-        self.step_log = step_log  # a StepLog, or None
-
-    def step(self):
-        """Generator.step, and its line in the step log: what the engine held, what the step took."""
-        if self.step_log is None:
-            return super().step()
-        evals = [ev for ev in self.eval_out.values() if ev["reason"] is None]
-        held = len(self.inflight) + len(evals)
-        kv = sum(len(r.prompt_ids) + len(r.tokens) for r in self.inflight.values())
-        kv += sum(ev["prompt"] + len(ev["ids"]) for ev in evals)
-        made = lambda: self.stats["gen_tokens"] + sum(len(ev["ids"]) for ev in evals)
-        before, t0 = made(), time.time()
-        super().step()
-        made = made() - before
-        self.step_log.write(t0, time.time(), held, kv, self.prefilled, made, len(evals))
 
     @property
     def budget_offset(self):
@@ -226,7 +212,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
         skip_groups=cfg["skip_groups"],
         start_stats=cfg["start_stats"],
         queue_size=cfg["queue_size"],
-        step_log=StepLog(cfg),
+        clock=WallClock(StepLog(os.path.join(cfg["out"], f"{lane(cfg['engine'], cfg['engines'])}-steps.jsonl"))),
     )
     kv_answers, kv_tokens = kv_capacity(engine, cfg["max_model_len"])
     samples_q.put(
@@ -254,7 +240,7 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
             msg = control_q.get(timeout=0.005) if idle else control_q.get_nowait()
             while True:
                 if msg[0] == "stop":
-                    gen.step_log.flush()
+                    gen.clock.log.flush()
                     return
                 if msg[0] == "weights":  # (version, specs, groups the pool has rejected)
                     pending, gen.rejected = msg[1:3], msg[3]
@@ -297,23 +283,3 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
                 break
             outbox.pop(0)
             last_put = time.time()
-
-
-class StepLog:
-    """<engine lane>-steps.jsonl in the run directory, a line per engine step: [t0, t1, answers in
-    the engine, tokens in their KV, tokens prefilled, tokens sampled, evaluation answers among them]
-    (tools/clock_costs.py fits the lesson's clock to it), written a second's worth at a time."""
-
-    def __init__(self, cfg):
-        self.f = open(os.path.join(cfg["out"], f"{lane(cfg['engine'], cfg['engines'])}-steps.jsonl"), "a")
-        self.rows, self.last = [], time.time()
-
-    def write(self, t0, t1, *held):
-        self.rows.append(f"[{t0:.6f}, {t1:.6f}, {', '.join(map(str, held))}]\n")
-        if t1 - self.last > 1.0:
-            self.flush()
-
-    def flush(self):
-        self.f.write("".join(self.rows))
-        self.f.flush()
-        self.rows, self.last = [], time.time()

@@ -10,7 +10,7 @@ is drawn from these files (plot.py); system/checkpoint.py keeps them across a cr
     answers.jsonl   one line per answer a step consumed or the pool rejected: its provenance
     eval_answers.jsonl  each evaluation's answers: the problem, the text, finished, right
     ledger.json     where the generated tokens and each process's time went (write_ledger)
-    generator-steps.jsonl  train.py: a line per engine step, what it held and took (system.generator.StepLog)
+    generator-steps.jsonl  a line per engine step: what it held, what it took (StepLog)
     ckpt/           train.py: the last checkpoint, Hugging Face format (system/checkpoint.py)
 
 metrics.jsonl, the keys both trainers write: step, wall_s (seconds since the start;
@@ -122,6 +122,26 @@ class RunLog:
         ]
         self.evals.write("".join(line + "\n" for line in lines))
         self.evals.flush()
+
+
+class StepLog:
+    """generator-steps.jsonl (<engine lane>-steps.jsonl with several engines): a line per engine step,
+    [t0, t1, answers the engine held, tokens in their KV, tokens it prefilled], a second's worth at a
+    time. The generator process notes what each step took (engine.WallClock), lesson.py what its
+    clock charged; tools/clock_costs.py fits the lesson's costs to the first."""
+
+    def __init__(self, path):
+        self.f, self.rows, self.last = open(path, "a"), [], time.time()
+
+    def write(self, t0, t1, answers, kv, prefilled):
+        self.rows.append(json.dumps([t0, t1, answers, kv, prefilled]) + "\n")
+        if time.time() - self.last > 1.0:
+            self.flush()
+
+    def flush(self):
+        self.f.write("".join(self.rows))
+        self.f.flush()
+        self.rows, self.last = [], time.time()
 
 
 class Budgets:

@@ -6,7 +6,7 @@ generator gets new weights (--regime, see regimes.py).
     python train.py --regime stale --preset long               # long answers: stale tokens appear
     python train.py --regime recompute --dataset gsm8k         # Qwen3-0.6B, vLLM on GPU 0, trainer on GPU 1
     python train.py --resume out/<run>                         # continue a run where its checkpoint left it
-    torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines (system/ranks.py)
+    torchrun --nproc_per_node 2 train.py --engines 2           # 2 FSDP2 trainer ranks (system/ranks.py), 2 vLLM engines
 
 Two processes: this one (the trainer) and the generator (system/generator.py: a vLLM
 engine stepped one decode step at a time). Finished answers come over a bounded

@@ -13,7 +13,6 @@ import sys
 import time
 
 from data import DATASETS, UsageError, hub_id_shaped, steps_range
-from grpo import LOSSES
 from pool import default_target
 from regimes import REGIMES
 
@@ -24,6 +23,10 @@ PRESET_MODELS = {  # --model names that are not Hub ids: directories in this rep
     "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/build_smol.py (not shipped: 540 MB)
 }
 
+
+# --loss's choices: grpo.LOSSES' keys, in its order (tests/test_config.py), spelled out so that config
+# imports no torch (grpo does): eval.py checks its flags before torch loads
+LOSS_NAMES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po", "m2po-authors")
 
 BASE = dict(dataset="synth", synth_steps="2", max_lag=1, micro_batch_tokens=16384)  # unless a preset says otherwise
 DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
@@ -191,7 +194,7 @@ def add_flags(p, program):
     p.add_argument(
         "--loss",
         default="tis",
-        choices=list(LOSSES),
+        choices=LOSS_NAMES,
         help="off-policy correction (grpo.LOSSES): none (mu ignored), tis, ppo (decoupled), icepop, geo, cispo, gspo, "
         "m2po (M2PO's paper with AReaL's mask: the largest (log pi_old/mu)^2, of either sign, masked over the whole "
         "step until the rest's mean is below --m2po-tau), m2po-authors (M2PO as its authors' code runs it: only the "

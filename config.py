@@ -13,7 +13,6 @@ import sys
 import time
 
 from data import DATASETS, UsageError, hub_id_shaped, steps_range
-from grpo import LOSSES
 from pool import default_target
 from regimes import REGIMES
 
@@ -24,6 +23,10 @@ PRESET_MODELS = {  # --model names that are not Hub ids: directories in this rep
     "smol": os.path.join(ROOT, "weights", "smol"),  # built once by tools/build_smol.py (not shipped: 540 MB)
 }
 
+
+# --loss's choices: grpo.LOSSES' keys, in its order (tests/test_config.py), spelled out so that config
+# imports no torch (grpo does): eval.py checks its flags before torch loads
+LOSS_NAMES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po", "m2po-authors")
 
 BASE = dict(dataset="synth", synth_steps="2", max_lag=1, micro_batch_tokens=16384)  # unless a preset says otherwise
 DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
@@ -88,178 +91,110 @@ PRESETS = {  # named settings on top of a dataset's defaults; flags given on the
 
 
 def add_flags(p, program):
-    """The algorithm's flags on argparse parser `p` (formatter_class=Help): the task, the model, the regime, the
-    loss, the pool, evaluation. program: "train" or "lesson" (where a run goes by default, fill)."""
-    p.add_argument(
-        "--regime",
-        default="recompute",
-        choices=list(REGIMES),
-        help="what happens to in-flight answers when new weights arrive (regimes.py)",
-    )
-    p.add_argument(
-        "--preset",
-        default=None,
-        choices=sorted(PRESETS),
-        help="named settings (PRESETS); flags given win (default: none)",
-    )
-    p.add_argument("--dataset", default=None, choices=DATASETS, help=f"task ({default_text('dataset')})")
-    p.add_argument(
-        "--data-file",
-        default=None,
-        help="local .jsonl/.parquet train split in the Hub schema (offline; default: the Hub's)",
-    )
-    p.add_argument(
-        "--eval-data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema (default: the Hub's)"
-    )
-    p.add_argument(
-        "--synth-steps",
-        default=None,
-        help="operations per synth problem, which set answer length: S, or a long-tailed range A-B (data.py; "
-        f"{default_text('synth_steps')})",
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"'tiny', 'smol' (tools/build_smol.py), a Hub id or a directory ({default_text('model')})",
-    )
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps ({default_text('steps')})")
-    p.add_argument(
-        "--prompts-per-step",
-        type=int,
-        default=None,
-        help=f"GRPO groups per optimizer step ({default_text('prompts_per_step')})",
-    )
-    p.add_argument(
-        "--group-size", type=int, default=None, help=f"answers sampled per prompt ({default_text('group_size')})"
-    )
-    p.add_argument(
-        "--max-new-tokens", type=int, default=None, help=f"answer length cap ({default_text('max_new_tokens')})"
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help=f"prompt + answer cap for vLLM ({default_text('max_model_len')})",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help=f"sampling temperature (the loss uses it too; {default_text('temperature')})",
-    )
-    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate ({default_text('lr')})")
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=10,
-        help="linear lr warmup: Adam's first steps move every weight by ~lr whatever its gradient's noise",
-    )
-    p.add_argument(
-        "--lr-schedule",
-        default=None,
-        choices=["constant", "cosine"],
-        help=f"after warmup: constant, or cosine decay to 0 at --steps ({default_text('lr_schedule')})",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help="answers the generator writes at once (vLLM's max_num_seqs), like a GPU whose KV cache "
-        "holds only so many long answers (twice a step's answers, at least 64; "
-        f"{default_text('max_num_seqs')})",
-    )
-    p.add_argument(
-        "--micro-batch-tokens",
-        type=int,
-        default=None,
-        help="gradient accumulation: padded tokens (answers x longest prompt+answer) per forward/backward; "
-        f"{default_text('micro_batch_tokens')}; 16384 fits Qwen3-0.6B's trainer in 24 GB (README, GPU runs)",
-    )
-    p.add_argument(
-        "--format-reward",
-        type=float,
-        default=0.0,
-        help="reward of a wrong answer that puts something in a \\boxed{} (reward.py; 0: correctness only)",
-    )
-    p.add_argument(
-        "--truncated",
-        default="zero",
-        choices=["zero", "filter"],
-        help="an answer cut at --max-new-tokens earns reward 0 (zero), and with filter is also left out "
-        "of the loss (DAPO's overlong filtering)",
-    )
-    p.add_argument(
-        "--loss",
-        default="tis",
-        choices=list(LOSSES),
-        help="off-policy correction (grpo.LOSSES): none (mu ignored), tis, ppo (decoupled), icepop, geo, cispo, gspo, "
-        "m2po (M2PO's paper with AReaL's mask: the largest (log pi_old/mu)^2, of either sign, masked over the whole "
-        "step until the rest's mean is below --m2po-tau), m2po-authors (M2PO as its authors' code runs it: only the "
-        "harmful tokens, A > 0 with pi > mu or A < 0 with pi < mu, their (log pi/mu)^2 winsorised to --m2po-tau and "
-        "the ones at the cap c or above clipped at pi/mu = exp(+-sqrt c), per micro-batch)",
-    )
-    p.add_argument(
-        "--minibatches",
-        type=int,
-        default=1,
-        help="optimizer steps per batch: the batch cut into this many parts, one step each, before the "
-        "weights are pushed (the policy then drifts within a batch, and PPO-style clips bind)",
-    )
-    p.add_argument(
-        "--loss-agg",
-        default=None,
-        choices=["token", "answer", "constant"],
-        help="how the loss averages over tokens (token_weights): every token alike, every answer alike, "
-        "or a constant normaliser (default: answer for --loss gspo, as its paper averages; token for the others)",
-    )
-    p.add_argument("--is-cap", type=float, default=2.0, help="truncation of pi/mu for --loss tis")
-    p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip for --loss none, ppo, icepop, geo")
-    p.add_argument("--icepop-low", type=float, default=0.5, help="--loss icepop: pi_old/mu below this is masked")
-    p.add_argument("--icepop-high", type=float, default=5.0, help="--loss icepop: pi_old/mu above this is masked")
-    p.add_argument(
-        "--geo-threshold",
-        type=float,
-        default=1.001,
-        help="--loss geo: an answer whose geometric mean pi_old/mu is outside [1/T, T] is masked",
-    )
-    p.add_argument("--cispo-eps-low", type=float, default=1.0, help="--loss cispo: weight >= 1 - this (1: no bound)")
-    p.add_argument("--cispo-eps-high", type=float, default=4.0, help="--loss cispo: weight <= 1 + this")
-    p.add_argument("--gspo-eps-low", type=float, default=3e-4, help="--loss gspo: sequence ratio clip below 1")
-    p.add_argument("--gspo-eps-high", type=float, default=4e-4, help="--loss gspo: sequence ratio clip above 1")
-    p.add_argument(
-        "--m2po-tau",
-        type=float,
-        default=0.04,
-        help="--loss m2po: the largest (log pi_old/mu)^2 are masked until the rest's mean is below this",
-    )
-    p.add_argument(
-        "--max-lag",
-        type=int,
-        default=None,
-        help="AReaL's eta: admit a prompt only if it will be consumed at most this many versions after the "
-        f"weights that start it ({default_text('max_lag')}; --regime sync: 0, regimes.Sync)",
-    )
-    p.add_argument(
-        "--pool",
-        default="fifo",
-        choices=["fifo", "pace"],
-        help="which finished groups a step consumes (pool.py): fifo, or PACE's staleness-aware rejection",
-    )
-    p.add_argument("--pace-lambda", type=float, default=1.0, help="PACE: weight of generation staleness")
-    p.add_argument(
-        "--pace-target",
-        type=int,
-        default=None,
-        help="PACE: pool occupancy above which groups are rejected (1.5 steps' worth, rounded up; "
-        f"{default_text('pace_target')})",
-    )
-    p.add_argument(
-        "--eval-every", type=int, default=None, help=f"evaluate every N steps (0: never; {default_text('eval_every')})"
-    )
-    p.add_argument("--eval-n", type=int, default=None, help=f"test problems per evaluation ({default_text('eval_n')})")
-    p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
-    p.add_argument("--out", default=None, help=f"run directory (default: {RUN_NAMES[program]})")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG at the end")
+    """The algorithm's flags on argparse parser `p` (formatter_class=Help), a row each (add_table): the task,
+    the model, the regime, the loss, the pool, evaluation. program: "train" or "lesson" (where a run goes by
+    default, fill). Their order is config.json's."""
+    # fmt: off
+    add_table(p, [
+        # the regime, the task and the model
+        ("regime",         list(REGIMES),   "recompute", "what happens to in-flight answers when new weights arrive "
+                                                         "(regimes.py)"),
+        ("preset",         sorted(PRESETS), None,        "named settings (PRESETS); flags given win (default: none)"),
+        ("dataset",        DATASETS,        FILL,        "task"),
+        ("data-file",      str,             None,        "local .jsonl/.parquet train split in the Hub schema "
+                                                         "(offline; default: the Hub's)"),
+        ("eval-data-file", str,             None,        "local .jsonl/.parquet test split in the Hub schema "
+                                                         "(default: the Hub's)"),
+        ("synth-steps",    str,             FILL,        "operations per synth problem (data.py), which set answer "
+                                                         "length: S, or a long-tailed range A-B"),
+        ("model",          str,             FILL,        "'tiny', 'smol' (tools/build_smol.py), a Hub id or a "
+                                                         "directory"),
+        # the batch, its sampling and the optimizer
+        ("steps",              int,                    FILL, "optimizer steps"),
+        ("prompts-per-step",   int,                    FILL, "GRPO groups per optimizer step"),
+        ("group-size",         int,                    FILL, "answers sampled per prompt"),
+        ("max-new-tokens",     int,                    FILL, "answer length cap"),
+        ("max-model-len",      int,                    FILL, "prompt + answer cap for vLLM"),
+        ("temperature",        float,                  FILL, "sampling temperature, which the loss uses too"),
+        ("lr",                 float,                  FILL, "AdamW learning rate"),
+        ("warmup-steps",       int,                    10,   "linear lr warmup: Adam's first steps move every weight "
+                                                             "by ~lr whatever its gradient's noise"),
+        ("lr-schedule",        ("constant", "cosine"), FILL, "after warmup: constant, or cosine decay to 0 at "
+                                                             "--steps"),
+        ("max-num-seqs",       int,                    FILL, "answers the generator writes at once (vLLM's "
+                                                             "max_num_seqs), like a GPU whose KV cache holds only so "
+                                                             "many long answers: twice a step's answers, at least 64"),
+        ("micro-batch-tokens", int,                    FILL, "gradient accumulation: padded tokens (answers x "
+                                                             "longest prompt+answer) per forward/backward; 16384 "
+                                                             "fits Qwen3-0.6B's trainer in 24 GB: README, GPU runs"),
+        # the loss and its corrections (grpo.py)
+        ("format-reward",  float,                           0.0,    "reward of a wrong answer that puts something in "
+                                                                    "a \\boxed{} (reward.py; 0: correctness only)"),
+        ("truncated",      ("zero", "filter"),              "zero", "an answer cut at --max-new-tokens earns reward "
+                                                                    "0 (zero), and with filter is also left out of "
+                                                                    "the loss (DAPO's overlong filtering)"),
+        ("loss",           LOSS_NAMES,                      "tis",  "off-policy correction (grpo.LOSSES: each one's "
+                                                                    "formula and source in its docstring): none "
+                                                                    "ignores mu, ppo is decoupled, m2po is its "
+                                                                    "paper's with AReaL's mask, m2po-authors its "
+                                                                    "authors' code's"),
+        ("minibatches",    int,                             1,      "optimizer steps per batch: the batch cut into "
+                                                                    "this many parts, one step each, before the "
+                                                                    "weights are pushed (the policy then drifts "
+                                                                    "within a batch, and PPO-style clips bind)"),
+        ("loss-agg",       ("token", "answer", "constant"), None,   "how the loss averages over tokens "
+                                                                    "(token_weights): every token alike, every "
+                                                                    "answer alike, or a constant normaliser "
+                                                                    "(default: answer for --loss gspo, as its paper "
+                                                                    "averages; token for the others)"),
+        ("is-cap",         float,                           2.0,    "truncation of pi/mu for --loss tis"),
+        ("clip-eps",       float,                           0.2,    "PPO clip for --loss none, ppo, icepop, geo"),
+        ("icepop-low",     float,                           0.5,    "--loss icepop: pi_old/mu below this is masked"),
+        ("icepop-high",    float,                           5.0,    "--loss icepop: pi_old/mu above this is masked"),
+        ("geo-threshold",  float,                           1.001,  "--loss geo: an answer whose geometric mean "
+                                                                    "pi_old/mu is outside [1/T, T] is masked"),
+        ("cispo-eps-low",  float,                           1.0,    "--loss cispo: weight >= 1 - this (1: no bound)"),
+        ("cispo-eps-high", float,                           4.0,    "--loss cispo: weight <= 1 + this"),
+        ("gspo-eps-low",   float,                           3e-4,   "--loss gspo: sequence ratio clip below 1"),
+        ("gspo-eps-high",  float,                           4e-4,   "--loss gspo: sequence ratio clip above 1"),
+        ("m2po-tau",       float,                           0.04,   "--loss m2po: the largest (log pi_old/mu)^2 are "
+                                                                    "masked until the rest's mean is below this "
+                                                                    "(m2po-authors: their (log pi/mu)^2 winsorised "
+                                                                    "to it)"),
+        # the pool: which finished answers a step trains on
+        ("max-lag",     int,              FILL,   "AReaL's eta: admit a prompt only if it will be consumed at most "
+                                                  "this many versions after the weights that start it; --regime "
+                                                  "sync: 0, regimes.Sync"),
+        ("pool",        ("fifo", "pace"), "fifo", "which finished groups a step consumes (pool.py): fifo, or PACE's "
+                                                  "staleness-aware rejection"),
+        ("pace-lambda", float,            1.0,    "PACE: weight of generation staleness"),
+        ("pace-target", int,              FILL,   "PACE: pool occupancy above which groups are rejected, 1.5 steps' "
+                                                  "worth rounded up"),
+        # evaluation and the run
+        ("eval-every", int,  FILL,  "evaluate every N steps, 0: never"),
+        ("eval-n",     int,  FILL,  "test problems per evaluation"),
+        ("seed",       int,  0,     "seed for data order, sampling and init"),
+        ("out",        str,  None,  f"run directory (default: {RUN_NAMES[program]})"),
+        ("no-plot",    bool, False, "skip the PNG at the end"),
+    ])
+    # fmt: on
+
+
+FILL = object()  # a row's default when fill sets it (BASE, DEFAULTS, PRESETS, DERIVED): --help says what it comes to
+
+
+def add_table(p, rows):
+    """Flags on parser `p` from rows (name, type, default, help): a type that is a list or tuple is the
+    flag's choices (a string, one of them), bool a switch (store_true); a FILL default is None on the
+    command line (fill's, not given) and its help ends with what it comes to (default_text)."""
+    for name, kind, default, help in rows:
+        choices, kind = (kind, str) if isinstance(kind, (list, tuple)) else (None, kind)
+        if default is FILL:
+            default, help = None, f"{help} ({default_text(name.replace('-', '_'))})"
+        if kind is bool:
+            p.add_argument(f"--{name}", action="store_true", default=default, help=help)
+        else:
+            p.add_argument(f"--{name}", type=kind, choices=choices, default=default, help=help)
 
 
 # where a run goes unless --out says (fill), and --out's help

@@ -27,40 +27,23 @@ def pass_at_1(completions, problems, dataset, truncated=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=config.Help)
     parser.add_argument("--model", required=True, help="checkpoint directory or Hub id ('tiny', 'smol': the presets)")
-    parser.add_argument("--dataset", default=BASE["dataset"], choices=DATASETS, help="which test split")
-    # the rest: what train.py evaluates with on --dataset (config.DEFAULTS), so that the numbers compare
-    parser.add_argument(
-        "--n",
-        type=int,
-        default=None,
-        help="number of test problems, the first n "
-        f"(train.py's --eval-n: {config.default_text('eval_n', presets=False)})",
-    )
-    parser.add_argument(
-        "--data-file", default=None, help="local .jsonl/.parquet test split in the Hub schema (default: the Hub's)"
-    )
-    parser.add_argument(
-        "--synth-steps", default=BASE["synth_steps"], help="operations per synth problem: S or a long-tailed range A-B"
-    )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help=f"answer length cap ({config.default_text('max_new_tokens', presets=False)})",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help=f"prompt + answer cap ({config.default_text('max_model_len', presets=False)})",
-    )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default pass@1)")
-    parser.add_argument(
-        "--show",
-        type=int,
-        default=0,
-        help="print the first N answers, how each ended and its score: read what the model writes, not only the number",
-    )
+    said = lambda key: config.default_text(key, presets=False)  # train.py's default on each dataset
+    # fmt: off
+    config.add_table(parser, [  # a row each (name, type, default, help)
+        ("dataset",        DATASETS, BASE["dataset"],     "which test split"),
+        # the rest: what train.py evaluates with on --dataset (config.DEFAULTS), so that the numbers compare
+        ("n",              int,      None,                f"number of test problems, the first n (train.py's --eval-n: "
+                                                          f"{said('eval_n')})"),
+        ("data-file",      str,      None,                "local .jsonl/.parquet test split in the Hub schema "
+                                                          "(default: the Hub's)"),
+        ("synth-steps",    str,      BASE["synth_steps"], "operations per synth problem: S or a long-tailed range A-B"),
+        ("max-new-tokens", int,      None,                f"answer length cap ({said('max_new_tokens')})"),
+        ("max-model-len",  int,      None,                f"prompt + answer cap ({said('max_model_len')})"),
+        ("temperature",    float,    0.0,                 "0: greedy (the default pass@1)"),
+        ("show",           int,      0,                   "print the first N answers, how each ended and its score: "
+                                                          "read what the model writes, not only the number"),
+    ])
+    # fmt: on
     args = parser.parse_args()
     model, defaults = model_path(args.model), DEFAULTS[args.dataset]
     problems = load_problems(

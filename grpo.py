@@ -28,6 +28,11 @@ The loss, and what it simplifies:
 
 import math
 
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from reward import boxed_answer, reward
+
 # -----------------------------------------------------------------------------
 # advantages, log-probabilities over micro-batches, the loss, the schedule, the step
 
@@ -46,9 +51,6 @@ def score_batch(cfg, tokenizer, batch, version=None):
     Returns (advantages (answers,), what the step logs about its answers). With
     `version` (the weights this step trains), each answer also gets "lag" per token:
     version minus the version that wrote it, which the step's diagnostics split by."""
-    import torch
-    from reward import boxed_answer, reward
-
     for s in batch if version is not None else ():
         s["lag"] = version - s["versions"]
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in batch], skip_special_tokens=True)
@@ -103,9 +105,6 @@ def answer_logprobs(model, samples, temperature, device):
     answer positions and a chunk at a time: each chunk is checkpointed, so backward
     recomputes its logits instead of keeping all of them (at the gsm8k defaults,
     whole-batch float32 logits would be ~190 GB)."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
     seqs = [torch.cat([s["prompt_ids"], s["token_ids"]]).long() for s in samples]
     width = max(len(x) for x in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -177,8 +176,6 @@ def old_logprobs(cfg, model, batch, adv, device, n_micro=0):
     micro-batch). Needed when --minibatches > 1; with one step per batch pi_old is the
     step's own log pi, detached, and costs nothing. Answers whose advantage is 0 are
     skipped, as train_step skips them."""
-    import torch
-
     trained = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]
     mbs = micro_batches([batch[i] for i in trained], cfg["micro_batch_tokens"])
     with torch.no_grad():
@@ -203,8 +200,6 @@ def train_step(cfg, model, batch, adv, loss_weights, device, n_micro=0):
     An answer whose advantage is 0 (its group's rewards all equal) adds exactly 0 to
     the loss and its gradient, so it is not run at all: the gradient is the same,
     for less work. On long-tailed tasks many groups are all right or all wrong."""
-    import torch
-
     trained = [i for i, nonzero in enumerate((adv != 0).tolist()) if nonzero]  # indices into batch
     loss_sum, gap_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     diag = []  # per micro-batch: (log pi - log mu, clipped or masked, stale KV, lag), detached, on `device`
@@ -246,8 +241,6 @@ def empty_micro_batches(cfg, model, n, device):
     """Several ranks (not the lesson's): FSDP2's gathers are collective, so every rank runs
     as many micro-batches as the busiest (train.py's n_micro); a rank with fewer runs n
     empty ones: one token through the model, weighted 0 (a forward alone under no_grad)."""
-    import torch
-
     for _ in range(n):
         empty = dict(prompt_ids=torch.zeros(1, dtype=torch.long), token_ids=torch.zeros(1, dtype=torch.long))
         logp = answer_logprobs(model, [empty], cfg["temperature"], device)
@@ -261,8 +254,6 @@ def token_weights(cfg, batch):
     dominate; the per-answer mean (the original GRPO) weights every answer alike, its
     tokens 1/length each; Dr. GRPO's constant normaliser (answers x --max-new-tokens)
     weights every token alike but does not shrink a batch of short answers' gradient."""
-    import torch
-
     lengths = torch.tensor([len(s["token_ids"]) for s in batch], dtype=torch.float32)
     if cfg["loss_agg"] == "token":
         return torch.full_like(lengths, 1 / max(1.0, lengths.sum().item()))
@@ -283,8 +274,6 @@ def ppo_clip(logp, old, adv, eps):
     """PPO's clipped surrogate -min(r A, clip(r, 1-eps, 1+eps) A), r = pi/pi_old: once the
     policy has moved a token's probability past the band in the direction A pushes it,
     the token stops pulling (the clipped term is constant in pi). Returns it and where it binds."""
-    import torch
-
     r = torch.exp(logp - old)
     unclipped, clipped = r * adv, r.clamp(1 - eps, 1 + eps) * adv
     return -torch.min(unclipped, clipped), clipped < unclipped
@@ -303,8 +292,6 @@ def loss_tis(cfg, logp, old, mu, adv, answer):
     than the trainer does counts at most C times. (Yao et al., "Your efficient RL framework
     secretly brings you off-policy RL training", 2025, truncate pi_old/mu and keep PPO's clip
     on pi/pi_old: the same weight when a batch takes one optimizer step, pi_old = pi.)"""
-    import torch
-
     ratio = torch.exp(logp.detach() - mu)
     return -ratio.clamp(max=cfg["is_cap"]) * adv * logp, ratio > cfg["is_cap"]
 
@@ -312,8 +299,6 @@ def loss_tis(cfg, logp, old, mu, adv, answer):
 def loss_ppo(cfg, logp, old, mu, adv, answer):
     """Decoupled PPO (Hilton et al., arXiv 2110.00641; AReaL, arXiv 2505.24298): PPO's clip
     against pi_old (the drift), times the uncapped weight pi_old/mu (the mismatch)."""
-    import torch
-
     surrogate, clipped = ppo_clip(logp, old, adv, cfg["clip_eps"])
     return torch.exp(old - mu) * surrogate, clipped
 
@@ -345,8 +330,6 @@ def loss_cispo(cfg, logp, old, mu, adv, answer):
     1 + eps_high] and detached, loss -w A log pi: clipping the weight, not the update, so
     no token loses its gradient. MiniMax sets no lower bound (eps_low large: here 1, the
     weight >= 0) and tunes eps_high (--cispo-eps-high) without publishing it."""
-    import torch
-
     ratio = torch.exp(logp.detach() - mu)
     w = ratio.clamp(1 - cfg["cispo_eps_low"], 1 + cfg["cispo_eps_high"])
     return -w * adv * logp, w != ratio
@@ -363,8 +346,6 @@ def loss_m2po(cfg, logp, old, mu, adv, answer):
     _get_m2po_loss_mask; AReaL decides it per micro-batch (in its loss function), over every
     token of the loss mask, and its gsm8k_m2po example trains the kept tokens with its decoupled
     PPO instead of -(pi/mu) A. The authors' own code does something else: loss_m2po_authors."""
-    import torch
-
     keep = m2po_moment(old, mu) <= cfg["m2po_cutoff"]
     return -(keep * torch.exp(logp - mu) * adv), ~keep
 
@@ -381,8 +362,6 @@ def m2po_cutoff(m2, tau):
     at a time, until the mean of those left is below tau. Returns the largest value kept
     (tokens at or below it train; a token tied with it is kept too), inf if none is masked; at
     least one token is kept, as in AReaL's _get_m2po_loss_mask."""
-    import torch
-
     s = torch.sort(m2.double().flatten(), descending=True).values
     if not len(s):
         return float("inf")
@@ -400,8 +379,6 @@ def loss_settings(cfg, batch, adv, gather=lambda x: [x]):
     tokens would only loosen the budget of the others: they are left out of M2."""
     if cfg["loss"] != "m2po":
         return cfg
-    import torch
-
     mine = [m2po_moment(s["old_logprobs"], s["logprobs"].float()) for s, a in zip(batch, adv.tolist()) if a != 0]
     every = [x for part in gather(torch.cat(mine) if mine else torch.zeros(0)) for x in part.tolist()]
     return dict(cfg, m2po_cutoff=m2po_cutoff(torch.tensor(every, dtype=torch.float32), cfg["m2po_tau"]))
@@ -422,8 +399,6 @@ def loss_m2po_authors(cfg, logp, old, mu, adv, answer):
     Their r is pi over the trainer's own log-probabilities under the sampling weights, taken when
     the batch was sampled; ours is over the engine's mu (numerics and stale KV included). pi_old is
     not used: their scripts also take several optimizer steps per batch with r against that one mu."""
-    import torch
-
     log_r = logp.detach() - mu
     harmful = m2po_harmful(log_r, adv)
     cap = m2po_authors_cap(log_r[harmful] ** 2, cfg["m2po_tau"])  # a float: one host sync per micro-batch
@@ -445,8 +420,6 @@ def m2po_authors_cap(m2, budget):
     One of the breakpoints, not the exact root of mean(min(m2, c)) = budget: as their
     _solve_tau_from_sorted_delta2 picks it (the tokens tied with c are clipped too: their tau is
     sqrt(c - 1e-12))."""
-    import torch
-
     s = torch.sort(m2.double().flatten()).values
     if not len(s) or s.mean() <= budget:
         return math.inf
@@ -463,8 +436,6 @@ def loss_gspo(cfg, logp, old, mu, adv, answer):
     s A grad log pi (s_t = sg(s) pi/sg(pi)). Averaged as the paper does, each answer's
     token mean counting the same: --loss-agg answer, its default (config.DERIVED); with
     --loss-agg token an answer's gradient is scaled by its length."""
-    import torch
-
     s = answer_mean(logp.detach() - mu, answer).exp() * torch.exp(logp - logp.detach())
     unclipped, clipped = s * adv, s.clamp(1 - cfg["gspo_eps_low"], 1 + cfg["gspo_eps_high"]) * adv
     return -torch.min(unclipped, clipped), clipped < unclipped
@@ -485,8 +456,6 @@ LOSSES = {
 
 def answer_mean(x, answer):
     """x (N,) per token -> each token gets the mean of x over its answer's tokens (N,)."""
-    import torch
-
     n = int(answer.max()) + 1 if len(answer) else 0
     total = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, answer, x)
     count = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, answer, torch.ones_like(x))
@@ -513,8 +482,6 @@ def optimizer_step(model, opt, loss):
     or not its answers ran (the moments decay; the weights move by momentum alone). A
     non-finite loss or gradient stops the run before the weights change or reach the
     generator."""
-    import torch
-
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -581,8 +548,6 @@ def batch_metrics(batch, adv, version):
     spanning versions, over every token the step consumed (trained_tokens); and the same
     over the tokens the loss saw (loss_*: answers whose advantage is not 0). `version`:
     the weights this step trains."""
-    import torch
-
     versions = torch.cat([s["versions"] for s in batch])
     stale = torch.cat([s["stale"] for s in batch])
     in_loss = torch.cat([(a != 0).expand(len(s["versions"])) for s, a in zip(batch, adv)])
@@ -620,8 +585,6 @@ def offpolicy_sums(log_ratio, clipped, stale, lag):
     clipped or masked it, whether it read stale KV, its lag. Returns sums that add up over
     ranks and optimizer steps: for all tokens, then each of SPLITS, (tokens, sum of the
     ratio pi/mu, of its square, of k3, clipped tokens)."""
-    import torch
-
     ratio = log_ratio.double().exp()
     k3 = ratio - 1 - log_ratio.double()  # Schulman's k3: an unbiased, never negative estimate of KL(mu || pi)
     lags = (lag == 0, lag == 1, lag >= 2)

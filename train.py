@@ -53,41 +53,30 @@ from system.runlog import RunLog, step_line, write_ledger
 def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=config.Help)
     config.add_flags(p, "train")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (the last step always)")
-    p.add_argument(
-        "--resume", default=None, help="run directory to continue from its checkpoint (default: none, a new run)"
-    )
-    p.add_argument("--engines", type=int, default=1, help="generator engines, each its own process and vLLM engine")
-    p.add_argument(
-        "--gen-device",
-        default="auto",
-        help="generator device: auto, cpu, cuda:N, or one per engine: "
-        "cuda:0,cuda:1 (auto: the first GPUs, the trainer's the next)",
-    )
-    p.add_argument("--train-device", default="auto", help="trainer device: auto, cpu, cuda:N")
-    p.add_argument(
-        "--grad-checkpointing",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="recompute each layer's activations in backward (grpo.activation_checkpointing); auto: on a GPU",
-    )
-    p.add_argument(
-        "--tensorboard", action="store_true", help="also write the metrics for TensorBoard, in <run>/tensorboard"
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="vLLM's share of its GPU (default 0.85 alone, 0.3 when sharing one GPU with the trainer)",
-    )
-    p.add_argument(
-        "--stall-s",
-        type=float,
-        default=0,
-        help="seconds a live generator may send nothing while the trainer waits for it, before both "
-        "stop with its stack (0: from --max-new-tokens and its slowest engine step, "
-        "system.watchdog.Watchdog.stall_bound)",
-    )
+    # fmt: off
+    config.add_table(p, [  # the processes and devices: a row each (name, type, default, help)
+        ("save-every",             int,                   0,      "checkpoint every N steps (the last step always)"),
+        ("resume",                 str,                   None,   "run directory to continue from its checkpoint "
+                                                                  "(default: none, a new run)"),
+        ("engines",                int,                   1,      "generator engines, each its own process and vLLM "
+                                                                  "engine"),
+        ("gen-device",             str,                   "auto", "generator device: auto, cpu, cuda:N, or one per "
+                                                                  "engine: cuda:0,cuda:1 (auto: the first GPUs, the "
+                                                                  "trainer's the next)"),
+        ("train-device",           str,                   "auto", "trainer device: auto, cpu, cuda:N"),
+        ("grad-checkpointing",     ("auto", "on", "off"), "auto", "recompute each layer's activations in backward "
+                                                                  "(grpo.activation_checkpointing); auto: on a GPU"),
+        ("tensorboard",            bool,                  False,  "also write the metrics for TensorBoard, in "
+                                                                  "<run>/tensorboard"),
+        ("gpu-memory-utilization", float,                 None,   "vLLM's share of its GPU (default 0.85 alone, 0.3 "
+                                                                  "when sharing one GPU with the trainer)"),
+        ("stall-s",                float,                 0,      "seconds a live generator may send nothing while "
+                                                                  "the trainer waits for it, before both stop with "
+                                                                  "its stack (0: from --max-new-tokens and its "
+                                                                  "slowest engine step, "
+                                                                  "system.watchdog.Watchdog.stall_bound)"),
+    ])
+    # fmt: on
     args = p.parse_args(argv)
     if args.resume:  # the saved config wins; only --steps may grow; it goes on from its checkpoint
         cfg = resume_config(args.resume, args.steps, defaults=vars(p.parse_args([])))

@@ -7,10 +7,13 @@ prints every default's real value, not the None that tells fill "not given".
 """
 
 import re
+import subprocess
+import sys
 
 import pytest
 
 import config
+import grpo
 import lesson
 import train
 
@@ -63,3 +66,16 @@ def test_fill_derives_what_both_trainers_use(tmp_path):
     assert (a["max_num_seqs"], a["pace_target"], a["model_path"]) == (64, 6, config.PRESET_MODELS["tiny"])
     assert a["out"] == "out/lesson-drain-synth-s0" and b["out"].startswith("out/drain-synth-s0-")
     assert (b["queue_size"], b["start_version"], b["start_group"]) == (64, 0, 0) and "queue_size" not in a
+
+
+def test_loss_names_are_grpos():
+    """--loss's choices, spelled out in config.py (which imports no torch), are grpo.LOSSES' keys,
+    in its order: a loss added to grpo.py is a choice only once it is added here too."""
+    assert config.LOSS_NAMES == tuple(grpo.LOSSES)
+
+
+def test_config_imports_no_torch():
+    """Neither config.py nor what it imports loads torch: eval.py checks its flags (config's
+    tables and defaults) before torch and vLLM load, seconds later."""
+    code = "import sys, config; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=config.ROOT).returncode == 0

@@ -316,6 +316,8 @@ def check_config(cfg):
         )
     if any(t <= 0 for t in cfg.get("eval_at", ())):
         raise UsageError(f"--eval-at takes simulated seconds > 0, got {cfg['eval_at']}")
+    if any(k < 1 for k in cfg.get("eval_steps", ())):
+        raise UsageError(f"--eval-steps takes optimizer steps >= 1, got {cfg['eval_steps']}")
     if cfg["group_size"] < 2:
         raise UsageError(
             f"--group-size must be >= 2: GRPO's advantage compares answers to the same prompt "

@@ -114,6 +114,12 @@ def parse_config(argv=None):
     )
     p.add_argument("--load-s", type=float, default=0.040, help="simulated seconds per weight load")
     p.add_argument("--eval-at", type=lambda s: sorted(map(float, s.split(","))), default=[], help=Budgets.__doc__)
+    p.add_argument(
+        "--eval-steps",
+        type=lambda s: sorted(map(int, s.split(","))),
+        default=[],
+        help="optimizer steps, comma-separated: pass@1 of the weights after each, as --eval-at's",
+    )
     cfg = config.fill(vars(p.parse_args(argv)), "lesson")  # and what follows from them (sync: --max-lag 0)
     for k in ("step_s", "answer_s", "kv_s", "prefill_s", "train_s", "load_s"):
         if not cfg[k] >= 0:
@@ -193,8 +199,8 @@ def main(argv=None, engine=None):
     version, step = 0, 0  # the weights the trainer holds; optimizer steps taken
     push = None  # a Push, from the end of a trainer step until the generator loads its weights
     free_at, last_stats, last_t = clock.now(), dict(gen.stats), clock.now()
-    budgets = Budgets(cfg["eval_at"], model)  # --eval-at: the weights held at those simulated seconds
-    while (step < cfg["steps"] or push) and not budgets.over(clock.now()):
+    budgets = Budgets(cfg["eval_at"], cfg["eval_steps"], model)  # --eval-at, --eval-steps: weights to evaluate
+    while (step < cfg["steps"] or push) and not budgets.over(clock.now(), version):
         # 1. what the generator finished since the last turn: answers into the pool, events into the log
         for kind, item in outbox:
             if kind == "sample":

@@ -55,11 +55,95 @@ def summary(run):
         trainer_waiting=trainer.get("waiting", 0) / total,
         trainer_training=trainer.get("training", 0) / total,
         trainer_syncing=trainer.get("syncing", 0) / total,
+        # the limit asynchrony chases: one step per max(generation, training) time, evaluations apart
+        bound_steps_per_min=60
+        * len(steps)
+        / (
+            max(sum(gen.get(k, 0) for k in ("generating", "draining", "loading")), trainer.get("training", 0))
+            + trainer.get("evaluating", 0)
+        ),
         recomputed=tokens["recomputed"] / tokens["generated"],
         discarded=tokens["discarded"] / tokens["generated"],
         final=evals[-1]["eval_acc"],
         answers_md5=hashlib.md5(open(os.path.join(run, "answers.jsonl"), "rb").read()).hexdigest(),
     )
+
+
+# the columns of the fidelity table: (name, key, format)
+COLUMNS = [
+    ("steps/min", "steps_per_min", "{:.1f}"),
+    ("stale tokens", "stale", "{:.0%}"),
+    ("lag", "lag", "{:.2f}"),
+    ("answers spanning a push", "spanning", "{:.0%}"),
+    ("generator idle or draining", "gen_idle", "{:.0%}"),
+    ("trainer waiting", "trainer_waiting", "{:.0%}"),
+    ("recomputed / generated", "recomputed", "{:.0%}"),
+    ("discarded / generated", "discarded", "{:.0%}"),
+]
+
+
+def within(lesson, real):
+    """The rule, written before the lesson's runs: the lesson's mean lies within the real runs'
+    min-max, or within 10% of their mean, whichever is wider."""
+    lo, hi, mean = min(real), max(real), sum(real) / len(real)
+    return lo - 1e-12 <= lesson <= hi + 1e-12 or abs(lesson - mean) <= 0.1 * abs(mean) + 1e-12
+
+
+def rows(program):
+    """{(preset, regime): [rows of its seeds]} of one program, the last line of each run."""
+    last = {}
+    for r in marked.read("fidelity"):
+        if r["program"] == program:
+            last[r["preset"], r["regime"], r["seed"]] = r
+    out = {}
+    for (preset, regime, _), r in sorted(last.items()):
+        out.setdefault((preset, regime), []).append(r)
+    return out
+
+
+def fidelity_table():
+    """train.py (each cell its seeds' mean and min-max) against lesson.py at the fitted costs (its
+    seeds' mean), a mark on each lesson number outside the rule (within)."""
+    real, sim = rows("train.py"), rows("lesson.py")
+    head = "| preset | regime | | " + " | ".join(name for name, _, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (3 + len(COLUMNS))]
+    misses = 0
+    for preset in PRESETS:
+        for regime in REGIMES:
+            t, l = real.get((preset, regime)), sim.get((preset, regime))
+            if not t:
+                continue
+            cells = []
+            for _, key, fmt in COLUMNS:
+                v = [r[key] for r in t]
+                cells.append(f"{fmt.format(sum(v) / len(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
+            lines.append(f"| {preset} | `{regime}` | train.py, {len(t)} seeds | " + " | ".join(cells) + " |")
+            if l:
+                cells = []
+                for _, key, fmt in COLUMNS:
+                    mean = sum(r[key] for r in l) / len(l)
+                    ok = within(mean, [r[key] for r in t])
+                    misses += not ok
+                    cells.append(fmt.format(mean) + ("" if ok else " **x**"))
+                lines.append(f"| | | lesson.py, {len(l)} seeds | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\n{misses} lesson numbers outside the rule (**x**)."
+
+
+def bound_table():
+    """How close the real pipeline comes to its bound: steps per minute of a perfect overlap."""
+    real = rows("train.py")
+    lines = ["| preset | regime | steps/min | perfect overlap | share of the bound |", "|---|---|---|---|---|"]
+    for preset in PRESETS:
+        for regime in ("sync", "stale", "recompute"):
+            t = real.get((preset, regime))
+            if t:
+                got = sum(r["steps_per_min"] for r in t) / len(t)
+                bound = sum(r["bound_steps_per_min"] for r in t) / len(t)
+                lines.append(f"| {preset} | `{regime}` | {got:.1f} | {bound:.1f} | {got / bound:.0%} |")
+    return "\n".join(lines)
+
+
+TABLES = {"fidelity": fidelity_table, "fidelity-bound": bound_table}
 
 
 def finished(run):
@@ -116,10 +200,12 @@ def run_all(program, extra, out):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("program", choices=["train", "lesson"])
+    p.add_argument("program", choices=["train", "lesson", "table"])
     p.add_argument("--out", default=os.path.join(ROOT, "out", "fidelity"))
     a, extra = p.parse_known_args()  # the rest: flags for every run (the lesson's: its costs)
-    run_all(a.program, extra, a.out)
+    if a.program != "table":
+        run_all(a.program, extra, a.out)
+    print(fidelity_table() + "\n\n" + bound_table())
 
 
 if __name__ == "__main__":

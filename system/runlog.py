@@ -146,24 +146,33 @@ class StepLog:
 
 class Budgets:
     """simulated seconds, comma-separated: pass@1 of the weights the generator holds at each (eval_at.jsonl),
-    evaluated after the run, so that it costs the run no simulated time; the run ends at the last"""
+    evaluated after the run, so that it costs the run no simulated time; the run ends once every budget
+    (these, and --eval-steps') is past"""
 
     # lesson.py --eval-at (lab/frontier.py's equal time): the weights held at t are the last version
     # loaded at or before t; each load's weights are kept (a tiny model's: a few MB) until the next
-    # load says whether a budget fell in between
+    # load says whether a budget fell in between. --eval-steps (equal optimizer steps): the weights
+    # after k steps, kept when they load
 
-    def __init__(self, times, model):
-        self.times, self.model, self.at, self.held = times, model, {}, None  # at: {t: (version, step, weights)}
+    def __init__(self, times, steps, model):
+        self.times, self.steps, self.model = times, steps, model
+        self.at, self.at_step, self.held = {}, {}, None  # {t or k: (version, step, weights)}
         self.loaded(0, 0, 0.0)
 
     def loaded(self, version, step, now):
         """The generator loaded `version` (the trainer's weights after `step` steps) at simulated second `now`."""
         if self.times:
             self.at.update({t: self.held for t in self.times if t < now and t not in self.at})
+        if self.times or step in self.steps:
             self.held = (version, step, {k: v.clone() for k, v in self.model.state_dict().items()})
+        if step in self.steps:
+            self.at_step[step] = self.held
 
-    def over(self, now):
-        return bool(self.times) and now >= self.times[-1]
+    def over(self, now, step):
+        """Every budget past: the time's and, after `step` optimizer steps, the steps'."""
+        if not (self.times or self.steps):
+            return False
+        return (not self.times or now >= self.times[-1]) and (not self.steps or step >= self.steps[-1])
 
     def evaluate(self, now, load, evaluate, log):
         """At the run's end (simulated second `now`): load(version, weights), then evaluate(step, version),
@@ -173,8 +182,12 @@ class Budgets:
             load(version, weights)
             log.eval_at(m := dict(t=t, step=step, version=version, **evaluate(step, version)))
             print(f"at {t:g} s: step {step} v{version} | eval {m['eval_acc']:.3f}", flush=True)
-        if missed := [t for t in self.times if t not in self.at]:
-            print(f"--eval-at {missed}: after the run's end ({now:.1f} simulated s)")
+        for k, (version, step, weights) in sorted(self.at_step.items()):
+            load(version, weights)
+            log.eval_at(m := dict(at_step=k, step=step, version=version, **evaluate(step, version)))
+            print(f"after step {k}: v{version} | eval {m['eval_acc']:.3f}", flush=True)
+        if missed := [t for t in self.times if t not in self.at] + [k for k in self.steps if k not in self.at_step]:
+            print(f"budgets {missed}: after the run's end ({now:.1f} simulated s)")
 
 
 def step_line(m):

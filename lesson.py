@@ -211,11 +211,12 @@ def main(argv=None, engine=None):
 
         # 2. the trainer: a step as soon as it is free and the pool holds the step's groups (oldest first)
         if push is None and step < cfg["steps"] and (taken := pool.take(version)) is not None:
-            step, start = step + 1, clock.now()
             groups, rejected = taken  # rejected: PACE's, when --pool pace
-            log.answers(groups, rejected, step)
-            log.trainer("training")
             batch = [s for g in groups for s in g]
+            # it started when it was free and the batch's last answer was in (the loop looks once an engine step)
+            step, start = step + 1, max(free_at, *(s["finished"] for s in batch))
+            log.answers(groups, rejected, step, t=start)
+            log.trainer("training", t=start)
             m = dict(
                 step=step,
                 version=version,
@@ -231,6 +232,9 @@ def main(argv=None, engine=None):
             log.trainer("syncing", t=push.ready_s)
             if regime.switch(gen, push.version, model.state_dict()):
                 now, m = clock.now(), push.metrics
+                # train.py's trainer goes on once the engine joins the push, when its load begins (the
+                # tensors go out on their own while it takes its next batch)
+                free_at = max(push.ready_s, now - cfg["load_s"])
                 m.update(wall_s=now, sync_s=now - push.ready_s)
                 m.update(generator_metrics(gen.stats, last_stats, now - last_t))
                 version, last_stats, last_t, push = push.version, dict(gen.stats), now, None
@@ -238,10 +242,10 @@ def main(argv=None, engine=None):
                 if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
                     log.trainer("evaluating")
                     m.update(evaluate(step, version), eval_version=version)  # the weights just loaded
+                    free_at = clock.now()
                 log.metric(m)
                 print(step_line(m), flush=True)
-                free_at = clock.now()
-                log.trainer("waiting")
+                log.trainer("waiting", t=free_at)
                 continue
 
         # 4. the generator: admit prompts (within --max-lag), then one engine step, or idle until the weights come

@@ -71,6 +71,7 @@ class SimClock:
 
     def __init__(self, cfg, log):
         self.t, self.cfg, self.log = 0.0, cfg, log  # log: a StepLog, what each engine step was charged
+        self.busy_until = 0.0  # the trainer trains until then (main sets it): a step then costs --busy-s more
 
     def now(self):
         return self.t
@@ -79,6 +80,7 @@ class SimClock:
         c = self.cfg
         if work == "step":  # what the engine held (answers, tokens in their KV) and wrote in one go
             self.t += c["step_s"] + c["answer_s"] * answers + c["kv_s"] * kv + c["prefill_s"] * prefilled
+            self.t += c["busy_s"] * (t0 < self.busy_until)  # the two share a machine
             self.log.write(t0, self.t, answers, kv, prefilled)
         else:  # "load"
             self.t += c["load_s"]
@@ -105,6 +107,7 @@ def parse_config(argv=None):
     p.add_argument("--step-s", type=float, default=0.0183, help="simulated seconds per engine step")
     p.add_argument("--answer-s", type=float, default=0.0, help="... plus this per answer the engine holds")
     p.add_argument("--kv-s", type=float, default=0.0, help="... plus this per token in their KV cache")
+    p.add_argument("--busy-s", type=float, default=0.0, help="... plus this while the trainer trains")
     p.add_argument("--prefill-s", type=float, default=5.3e-5, help="... plus this per token whose KV it prefills")
     p.add_argument(
         "--train-s",
@@ -121,7 +124,7 @@ def parse_config(argv=None):
         help="optimizer steps, comma-separated: pass@1 of the weights after each, as --eval-at's",
     )
     cfg = config.fill(vars(p.parse_args(argv)), "lesson")  # and what follows from them (sync: --max-lag 0)
-    for k in ("step_s", "answer_s", "kv_s", "prefill_s", "train_s", "load_s"):
+    for k in ("step_s", "answer_s", "kv_s", "prefill_s", "busy_s", "train_s", "load_s"):
         if not cfg[k] >= 0:
             raise UsageError(f"--{k.replace('_', '-')} must be >= 0 (simulated seconds), got {cfg[k]}")
     if cfg["step_s"] <= 0:
@@ -225,6 +228,7 @@ def main(argv=None, engine=None):
                 trainer_wait_s=start - free_at,
             )
             push = Push(version + 1, start + cfg["train_s"] * m["run_tokens"], m)
+            clock.busy_until = push.ready_s
 
         # 3. the push: once the weights are ready, the regime decides, between two engine steps,
         #    what happens to the answers in flight (drain keeps the trainer waiting until they finish)

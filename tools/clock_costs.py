@@ -9,9 +9,10 @@ speeds, and their ratio of generation to training.
 
 From each run's own files:
 - an engine step (generator-steps.jsonl, a line per step: when, what the engine held, what it
-  prefilled): least squares of its seconds on 1, the answers it held, the tokens in their KV and
-  the tokens it prefilled, over every step of every run but each engine's first WARMUP (vLLM's
-  first steps are slow; the lesson's engine is warm when its clock starts).
+  prefilled): least squares of its seconds on 1, the answers it held, the tokens in their KV, the
+  tokens it prefilled and whether the trainer was training meanwhile (events.jsonl: the two share a
+  machine), over every step of every run but each engine's first WARMUP (vLLM's first steps are
+  slow; the lesson's engine is warm when its clock starts).
 - a trainer step (events.jsonl, metrics.jsonl): its "training" spans over the tokens each step ran
   through the model (run_tokens: padded micro-batches of the answers whose advantage is not 0),
   their ratio of sums.
@@ -19,6 +20,7 @@ From each run's own files:
 """
 
 import argparse
+import bisect
 import glob
 import os
 import sys
@@ -28,19 +30,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from system.runlog import activity_spans, read_jsonl  # noqa: E402
 
 WARMUP = 50  # steps of each engine left out of the fit
-TERMS = ("step_s", "answer_s", "kv_s", "prefill_s")  # seconds = step_s + answer_s x answers + ...
+TERMS = ("step_s", "answer_s", "kv_s", "prefill_s", "busy_s")  # seconds = step_s + answer_s x answers + ...
+
+
+def training(run):
+    """The trainer's "training" spans, [(t0, t1)] in order."""
+    events = read_jsonl(os.path.join(run, "events.jsonl"))
+    return sorted((t0, t1) for proc, what, t0, t1 in activity_spans(events) if proc == "trainer" and what == "training")
 
 
 def engine_steps(run):
-    """[(seconds, answers, kv tokens, prefilled tokens)] of every engine's steps past its warm-up."""
-    rows = []
+    """[(seconds, answers, kv tokens, prefilled tokens, trainer training)] of every engine's steps past
+    its warm-up; the trainer counts as training when it was at the step's middle."""
+    spans, rows = training(run), []
+    starts = [t0 for t0, _ in spans]
     for path in sorted(glob.glob(os.path.join(run, "generator*-steps.jsonl"))):
-        rows += [(t1 - t0, a, kv, p) for t0, t1, a, kv, p, *_ in read_jsonl(path)[WARMUP:]]
+        for t0, t1, a, kv, p, *_ in read_jsonl(path)[WARMUP:]:
+            i = bisect.bisect_right(starts, (t0 + t1) / 2) - 1
+            rows.append((t1 - t0, a, kv, p, int(i >= 0 and (t0 + t1) / 2 < spans[i][1])))
     return rows
 
 
 def least_squares(rows):
-    """The coefficients c of seconds = c . (1, answers, kv, prefilled), by the normal equations."""
+    """The coefficients c of seconds = c . (1, answers, kv, prefilled, busy), by the normal equations."""
     import numpy as np
 
     a = np.array(rows, dtype=float)
@@ -50,10 +62,8 @@ def least_squares(rows):
 
 def trainer_costs(run):
     """(seconds training, tokens run) of a run's optimizer steps."""
-    events = read_jsonl(os.path.join(run, "events.jsonl"))
-    spans = [t1 - t0 for proc, what, t0, t1 in activity_spans(events) if proc == "trainer" and what == "training"]
     steps = [m for m in read_jsonl(os.path.join(run, "metrics.jsonl")) if "trained_tokens" in m]
-    return sum(spans), sum(m["run_tokens"] for m in steps)
+    return sum(t1 - t0 for t0, t1 in training(run)), sum(m["run_tokens"] for m in steps)
 
 
 def loads(run):

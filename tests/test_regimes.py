@@ -74,7 +74,9 @@ def test_waiting_for_the_other_engines_is_idle_not_loading():
     from lesson import SimClock
 
     gen, _, outbox, _ = generator("drain", process=True)
-    gen.clock = clock = SimClock(dict(step_s=0.01, answer_s=0.0, kv_s=0.0, prefill_s=0.0, busy_s=0.0, load_s=0.5), log=None)
+    gen.clock = clock = SimClock(
+        dict(step_s=0.01, answer_s=0.0, kv_s=0.0, prefill_s=0.0, busy_s=0.0, load_s=0.5), log=None
+    )
 
     def receive(engine, version, weights):  # the other engine drains for 2 s more
         clock.t += 2.0

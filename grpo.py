@@ -336,16 +336,12 @@ def loss_cispo(cfg, logp, old, mu, adv, answer):
 
 
 def loss_m2po(cfg, logp, old, mu, adv, answer):
-    """M2PO (Zheng et al., "Prosperity before Collapse", arXiv 2510.01161) as its paper writes it,
-    with AReaL's mask: the importance weight pi/mu unclipped, -(pi/mu) A, on every token but the
-    outliers of the mismatch: the tokens whose (log pi_old/mu)^2 is largest, of either sign and
-    whatever their advantage, are masked (no loss, no gradient) until the mean of the rest over
-    the step's trained tokens, the second moment M2, is below --m2po-tau (0.04 as published).
-    Decided before the step over all its tokens, every micro-batch's and every rank's
-    (loss_settings: cfg["m2po_cutoff"], the largest value kept). The mask is AReaL's
-    _get_m2po_loss_mask; AReaL decides it per micro-batch (in its loss function), over every
-    token of the loss mask, and its gsm8k_m2po example trains the kept tokens with its decoupled
-    PPO instead of -(pi/mu) A. The authors' own code does something else: loss_m2po_authors."""
+    """M2PO (Zheng et al., "Prosperity before Collapse", arXiv 2510.01161) as its paper writes it, with
+    AReaL's mask (_get_m2po_loss_mask): -(pi/mu) A, unclipped, on every token but those whose
+    (log pi_old/mu)^2 is largest, masked until the mean of the rest, M2, is below --m2po-tau (0.04).
+    The mask is decided before the step over all its tokens, every rank's (loss_settings); AReaL
+    decides it per micro-batch and trains the kept tokens with its decoupled PPO. The authors' own
+    code does something else: loss_m2po_authors."""
     keep = m2po_moment(old, mu) <= cfg["m2po_cutoff"]
     return -(keep * torch.exp(logp - mu) * adv), ~keep
 
@@ -385,20 +381,12 @@ def loss_settings(cfg, batch, adv, gather=lambda x: [x]):
 
 
 def loss_m2po_authors(cfg, logp, old, mu, adv, answer):
-    """M2PO as its authors' code runs it (Infini-AI-Lab/M2PO, verl/trainer/ppo/core_algos.py:
-    kpo_clip_harmful_tokens, compute_m2po_policy_loss), not as the paper writes it (loss_m2po).
-    r = pi/mu. Only the harmful tokens count (m2po_harmful): A > 0 with r > 1, A < 0 with r < 1,
-    those that -r A would push further from mu. Their (log r)^2 are winsorised at a cap c, the
-    largest of their own values that brings their mean below --m2po-tau (m2po_authors_cap; 0.04 in
-    their scripts), and a harmful token at or above the cap is clipped as PPO clips, at r =
-    exp(+sqrt c) (A > 0) or exp(-sqrt c) (A < 0): its loss -exp(+-sqrt c) A, constant, no gradient.
-    Every other token: -r A, unclipped, whatever its r (no clip on the side that pulls toward mu).
-    Nothing is clipped while the harmful tokens' mean is at or below the budget. Decided on this
-    micro-batch's tokens alone, as verl computes the loss per micro-batch and per GPU: the clip
-    depends on --micro-batch-tokens and on the number of ranks (theirs on ppo_max_token_len_per_gpu).
-    Their r is pi over the trainer's own log-probabilities under the sampling weights, taken when
-    the batch was sampled; ours is over the engine's mu (numerics and stale KV included). pi_old is
-    not used: their scripts also take several optimizer steps per batch with r against that one mu."""
+    """M2PO as its authors' code runs it (Infini-AI-Lab/M2PO, verl/trainer/ppo/core_algos.py), r = pi/mu:
+    the harmful tokens' (A > 0 with r > 1, A < 0 with r < 1: m2po_harmful) (log r)^2 winsorised at the
+    cap c that brings their mean below --m2po-tau (m2po_authors_cap), and a harmful token at or above
+    c clipped as PPO clips, at r = exp(+-sqrt c); every other token -r A, unclipped. Per micro-batch, as
+    verl computes its loss, so the clip depends on --micro-batch-tokens and the ranks. Their r is over
+    the trainer's own logprobs at sampling; ours over the engine's mu. pi_old is not used."""
     log_r = logp.detach() - mu
     harmful = m2po_harmful(log_r, adv)
     cap = m2po_authors_cap(log_r[harmful] ** 2, cfg["m2po_tau"])  # a float: one host sync per micro-batch
@@ -429,12 +417,10 @@ def m2po_authors_cap(m2, budget):
 
 
 def loss_gspo(cfg, logp, old, mu, adv, answer):
-    """GSPO (Qwen, arXiv 2507.18071), its token form: one ratio per answer, s = exp(mean of
-    log(pi/mu)) over its tokens, against the engine's mu (the paper's pi_old is the policy
-    that sampled, and sequence likelihoods tolerate the engine's numerics), clipped to
-    [1 - 3e-4, 1 + 4e-4] (--gspo-eps-low/high, as published); each token's gradient is
-    s A grad log pi (s_t = sg(s) pi/sg(pi)). Averaged as the paper does, each answer's
-    token mean counting the same: --loss-agg answer, its default (config.DERIVED); with
+    """GSPO (Qwen, arXiv 2507.18071), its token form: one ratio per answer, s = exp(mean of log(pi/mu))
+    over its tokens, clipped to [1 - 3e-4, 1 + 4e-4] (--gspo-eps-low/high, as published); each token's
+    gradient is s A grad log pi. Against the engine's mu: the paper's pi_old is the policy that
+    sampled. Averaged as the paper does (--loss-agg answer, its default: config.DERIVED); with
     --loss-agg token an answer's gradient is scaled by its length."""
     s = answer_mean(logp.detach() - mu, answer).exp() * torch.exp(logp - logp.detach())
     unclipped, clipped = s * adv, s.clamp(1 - cfg["gspo_eps_low"], 1 + cfg["gspo_eps_high"]) * adv

@@ -6,31 +6,16 @@ Plots of a run (or several, to compare regimes), drawn from its run directory.
     python plot.py --answers RUN_sync RUN_drain RUN_discard RUN_stale RUN_recompute --out regimes.png
     python plot.py --curves out/stress/holds/stale_*-s* --out curves.png   # learning curves, seeds pooled
 
-The curves figure (metrics.jsonl): runs whose directory names differ only in a
-trailing -s<seed> are one line, the mean over seeds, with a band from the lowest to
-the highest seed: eval pass@1 against the step and against simulated (or wall-clock)
-seconds, the train batch's reward, and how off-policy each step's trained tokens
-were: the effective sample size of pi/mu, the share the loss clipped or masked, and
-the k3 estimate of KL(mu || pi) (grpo.offpolicy_metrics).
+The curves figure (metrics.jsonl): runs whose names differ only in a trailing -s<seed> are one
+line, the mean over seeds with a band from the lowest to the highest: pass@1 against the step and
+against (simulated or wall-clock) seconds, the batch's reward, and how off-policy its trained
+tokens were (grpo.offpolicy_metrics: ess, clipped share, k3 estimate of KL(mu || pi)).
 
-The answers figure (answers.jsonl + events.jsonl): one lane per answer, x =
-wall-clock. Each token is drawn at the engine step that sampled it, coloured by the
-weight version that sampled it; hatched where it read KV written by older weights
-(stale); faded and crossed where it was later thrown away (discard); a black block
-where the answer's KV was rebuilt under new weights (recompute); a dotted line
-while the finished answer waited in the trainer's pool; a red band at each weight
-load. Under the answers, the trainer's and the generator's lanes on the same axis.
-
-Which answers get a lane (the rule): the switch shown is the first weight push of
-version 2 or later (version 1 is the start, where every answer began at once)
-when some answer was half-written (admitted before the trainer sent the weights,
-finished after); if no push has one (sync never does), the first push of version
->= 2. Lanes go first to the answers half-written at that push, then to the other
-answers that lived in the window from the load before to the load after, earliest
-admitted first, at most --lanes. x = seconds from that push (drain loads the
-weights only once its answers are done; the other regimes load them at once).
-With --window T0 T1 (seconds from the start of the run, as in run.png) the lanes
-are the answers alive in that window instead, and x counts from the run's start.
+The answers figure (answers.jsonl + events.jsonl): a lane per answer, x = seconds. Each token at
+the engine step that sampled it, coloured by the version that sampled it; hatched where it read
+stale KV; faded and crossed where discard threw it away; a black block where recompute rebuilt its
+KV; dotted while it waited in the pool; a red band at each weight load; under the answers, the
+trainer's and the generator's lanes. Which answers get a lane: select_answers says.
 """
 
 import argparse
@@ -125,12 +110,12 @@ def draw_processes(ax, events, x0):
 
 
 def select_answers(run, window=None, lanes=24, engine=None):
-    """What the answers figure of `run` shows, chosen by the module docstring's rule:
-    dict(answers=[answers.jsonl records, one per lane, top first], switch=the load
-    mark, with "push" = when the trainer sent it (None with a window), alive=how many
-    answers were half-written at the push (or alive in the window), x0=the time x
-    counts from, xlim, loads, events, regime). engine: one engine's answers, loads and
-    lane (runs with --engines N), or all of them."""
+    """What the answers figure of `run` shows: dict(answers=[answers.jsonl records, a lane each, top
+    first], switch=the load mark, its "push" when the trainer sent it, alive=answers half-written at
+    it, x0=where x counts from, xlim, loads, events, regime); engine: one engine's (--engines N).
+    The switch shown: the first push of version >= 2 with an answer half-written (else the first
+    push of version >= 2); lanes go first to those answers, then to the others alive from the load
+    before to the load after, earliest admitted first. With window=(t0, t1): the answers alive then."""
     answers = read_jsonl(os.path.join(run, "answers.jsonl"))
     events = read_jsonl(os.path.join(run, "events.jsonl"))
     if engine is not None:

@@ -4,29 +4,21 @@ of the batch, the push gathered from the shards, checkpoints of sharded optimize
 
     torchrun --nproc_per_node 2 train.py --engines 2 ...     # 2 trainer ranks, 2 generator engines
 
-With one process (plain `python train.py`, or torchrun with one rank) every method here
-is a no-op or the identity, and train.py runs exactly as it always has. With K ranks:
+With one process every method here is a no-op or the identity. With K ranks:
 
-- rank 0 is train.py as a student reads it: it spawns the generator engines, reads the
-  one sample queue, forms each step's batch with the pool, computes the rewards and
-  advantages, and hands each rank its share (scatter: answers balanced by tokens). Ranks
-  1..K-1 run train.follow: receive a share, take the same optimizer step, help gather.
-- The loss stays the mean over the *whole* batch: rank 0 weighs each answer's tokens
-  for the whole batch (grpo.token_weights) before it splits it, and FSDP2's
-  reduce-scatter sums the ranks' gradients instead of averaging them
-  (set_gradient_divide_factor(1), as torchtitan). The gradient does not depend on K
-  (tests/test_ranks.py).
-- FSDP2 all-gathers each layer's weights in forward and reduce-scatters in backward:
-  collectives every rank must join, so every rank runs as many micro-batches as the
-  busiest one (a rank with fewer runs empty ones, weighted 0).
-- The push: every rank walks the state dict in the same order and gathers each tensor
-  (DTensor.full_tensor(), a collective); only rank 0 broadcasts it to the engines, after
-  its gather has completed (interleaving the two groups' collectives deadlocks NCCL past
-  two ranks: TRL issues 6797 and 7103). Nobody holds the whole state dict for a push.
-- Checkpoints: rank 0 writes the Hugging Face directory from the gathered state dict;
-  the optimizer's shards go to ckpt/optimizer/ with torch.distributed.checkpoint, which
-  reshards on load, so --resume works at any number of ranks (not across 1 and K > 1:
-  one process saves its optimizer as before, in trainer_state.pt).
+- rank 0 is train.py as a student reads it: it spawns the engines, reads the sample queue,
+  forms each batch, scores it and hands each rank its share (scatter: answers balanced by
+  tokens). Ranks 1..K-1 run train.follow: a share, the same optimizer step, help gather.
+- The loss stays the mean over the whole batch: rank 0 weighs each answer's tokens for the
+  whole batch before it splits it, and FSDP2's reduce-scatter sums the ranks' gradients
+  (set_gradient_divide_factor(1), as torchtitan): the gradient does not depend on K.
+- FSDP2's gathers are collectives: every rank runs as many micro-batches as the busiest.
+- The push: every rank gathers each tensor in the same order (DTensor.full_tensor()); rank 0
+  broadcasts it after its gather has completed (interleaving the two groups' collectives
+  deadlocks NCCL past two ranks: TRL issues 6797 and 7103).
+- Checkpoints: rank 0 writes the Hugging Face directory; the optimizer's shards go to
+  ckpt/optimizer/ with torch.distributed.checkpoint, which reshards on load, so --resume works
+  at any number of ranks (not across 1 and K > 1).
 """
 
 import os

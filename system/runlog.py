@@ -1,40 +1,9 @@
 """
-The run directory, out/<run>/, as both trainers write it (lesson.py on its simulated
-clock, train.py on the wall clock), how its files are read back (read_jsonl,
-activity_spans, per_token), and the wasted-work ledger read back from it. Every figure
-is drawn from these files (plot.py); system/checkpoint.py keeps them across a crash.
-
-    config.json     the run's settings, every flag resolved
-    metrics.jsonl   one line per optimizer step (and the evaluation at step 0)
-    events.jsonl    the timeline: what each process was doing when (an activity, or a mark: a weight load, an eval)
-    answers.jsonl   one line per answer a step consumed or the pool rejected: its provenance
-    eval_answers.jsonl  each evaluation's answers: the problem, the text, finished, right
-    ledger.json     where the generated tokens and each process's time went (write_ledger)
-    generator-steps.jsonl  a line per engine step: what it held, what it took (StepLog)
-    ckpt/           train.py: the last checkpoint, Hugging Face format (system/checkpoint.py)
-
-metrics.jsonl, the keys both trainers write: step, wall_s (seconds since the start;
-simulated in lesson.py), version (the weights the step trains), reward_mean, loss,
-grad_norm, behaviour_gap (mean |log pi - log mu| over the loss's tokens),
-trained_tokens, run_tokens (what the step ran through the model: grpo.run_tokens),
-answer_len, stale_token_frac (trained tokens sampled while reading KV that older
-weights wrote / trained tokens), lag_mean and lag_max (over trained tokens,
-step version - the version that sampled the token), spanning_frac (trained answers whose
-tokens come from more than one version), loss_tokens, loss_stale_token_frac,
-loss_lag_mean (the same over the tokens the loss saw: answers whose advantage is not
-0), truncated_frac, boxed_frac, gen_tok_per_s, gen_idle_s (nothing to write), gen_drain_s
-(drain: from the push's arrival to the last old answer's end), discarded_tokens,
-recomputed_tokens, preempted, sync_s (the push, from the end of the optimizer step to
-weights loaded; in train.py to every engine joined and the tensors sent off, and
-sync_wait_s: what the next optimizer step waited for them to arrive), trainer_wait_s
-(waiting for the step's groups); how off-policy the trained tokens were
-(grpo.offpolicy_metrics): ess, clipped_frac, kl, and each again with _fresh, _stale,
-_lag0, _lag1, _lag2, and _fresh_lag0 ... _stale_lag2 (stale-KV and fresh tokens at the same
-lag; None where no token falls in the group); PACE's
-rejected_groups, rejected_tokens, pool_size, gen_staleness_mean, wait_staleness_mean;
-and eval_acc, eval_truncated_frac, eval_version on evaluation steps. train.py adds
-cpu_s, stall_bound_s and, on a GPU, train_peak_gib (machine facts the simulation has no
-use for).
+The run directory, out/<run>/, as both trainers write it (lesson.py on its simulated clock,
+train.py on the wall clock), how its files are read back (read_jsonl, activity_spans,
+per_token), and the wasted-work ledger read back from it. Every figure is drawn from these
+files (plot.py); system/checkpoint.py keeps them across a crash. Each file and every key of
+metrics.jsonl: docs/run-directory.md.
 """
 
 import json

@@ -52,12 +52,16 @@ def engine_steps(run):
 
 
 def least_squares(rows):
-    """The coefficients c of seconds = c . (1, answers, kv, prefilled, busy), by the normal equations."""
+    """The coefficients c of seconds = c . (1, answers, kv, prefilled, busy), least squares; a term
+    the runs never vary (busy in a sync run: the trainer never trains while the engine steps) gets 0."""
     import numpy as np
 
     a = np.array(rows, dtype=float)
     x = np.c_[np.ones(len(a)), a[:, 1:]]
-    return np.linalg.solve(x.T @ x, x.T @ a[:, 0]).tolist()
+    used = [0] + [j for j in range(1, x.shape[1]) if x[:, j].any()]
+    c = np.zeros(x.shape[1])
+    c[used] = np.linalg.lstsq(x[:, used], a[:, 0], rcond=None)[0]
+    return c.tolist()
 
 
 def trainer_costs(run):

@@ -4,7 +4,9 @@
 files share is in tests/helpers.py (no test file imports another).
 
 The fast tier, what a student runs after an edit (lesson.py, the regimes, the loss,
-the exercises' graders): `.venv/bin/python -m pytest -q -m fast`."""
+the exercises' graders): `.venv/bin/python -m pytest -q -m fast`. The pages' checks (links,
+the first sitting's stated count, the marked tables against their data) are a tier of their
+own, `-m prose`, which CI runs with everything else."""
 
 import os
 import sys
@@ -17,6 +19,9 @@ sys.path.insert(0, ROOT)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the tier to run after an edit (pytest -m fast)")
+    config.addinivalue_line(
+        "markers", "prose: the pages' checks: links, stated counts, marked tables (pytest -m prose)"
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)

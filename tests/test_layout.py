@@ -19,9 +19,8 @@ import pytest
 import helpers
 from helpers import ROOT, SITTING_MODULES, first_sitting, graph, project_modules
 
-pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
-
+@pytest.mark.fast
 def test_no_import_circle():
     g = graph()
     state = {}  # module -> "open" while on the DFS path, "done" after
@@ -48,6 +47,7 @@ def room(m):
     return m.split(".")[0] if m.split(".")[0] in ROOMS else "course"
 
 
+@pytest.mark.fast
 def test_no_import_runs_up():
     """The rooms stand in order, each importing only from the rooms below it (and itself): the lab
     (experiments, data, notes) on top, imported by nothing outside it; then the tools; then the
@@ -64,6 +64,7 @@ def test_no_import_runs_up():
 PROGRAMS = ("lesson", "train", "eval")  # what a user runs at the root
 
 
+@pytest.mark.fast
 def test_the_circle_check_can_fail(tmp_path, monkeypatch):
     """The check itself: a made-up circle a -> b -> a is found."""
     (tmp_path / "a.py").write_text("import b\n")
@@ -97,6 +98,7 @@ def imported_tests(path, names):
     return found
 
 
+@pytest.mark.fast
 def test_no_test_file_imports_another():
     """A test file takes what it shares with others from tests/helpers.py, never from
     another test file (whose import runs that module, and collects again any test
@@ -108,6 +110,7 @@ def test_no_test_file_imports_another():
     assert len(files) > 15 and not any(bad.values()), {p: n for p, n in bad.items() if n}
 
 
+@pytest.mark.fast
 def test_the_test_import_check_can_fail(tmp_path):
     """The check itself: imports of a test module, at the top or inside a function, are found."""
     (tmp_path / "a.py").write_text(
@@ -137,6 +140,7 @@ def links(path):
     return re.findall(r"\]\(([^)\s]+)\)", text)
 
 
+@pytest.mark.prose
 def test_every_link_resolves():
     docs = [os.path.join(ROOT, "README.md")]
     seen, broken = set(), []
@@ -160,6 +164,7 @@ def test_every_link_resolves():
     assert len(seen) >= 2 and not broken, broken
 
 
+@pytest.mark.prose
 def test_readme_is_a_first_page_and_cites_nothing_outside():
     """The README stays a course's first page: at most 12,000 characters, its first
     screen the two commands a newcomer runs. No file of the project cites a file the
@@ -200,6 +205,7 @@ def longest_chain(g):
 FLOORS = 5  # issue 42: 6 before (train -> ranks -> generator -> grpo -> reward -> data)
 
 
+@pytest.mark.fast
 def test_import_floors():
     """The course's modules (the root) stand on at most FLOORS floors among themselves: the longest
     chain of imports (lazy ones included) is lesson or train -> config -> grpo -> reward -> data. A
@@ -225,6 +231,7 @@ def drawing_names():
     return figures | palettes
 
 
+@pytest.mark.fast
 def test_only_drawing_imports_plot():
     """plot.py draws; reading the run directory is system/runlog.py's. A module of the lesson or a
     tool imports from plot only what draws (drawing_names: a plot_* figure or a palette),
@@ -243,6 +250,7 @@ def test_only_drawing_imports_plot():
     assert not bad, bad
 
 
+@pytest.mark.fast
 def test_the_floor_count_can_fail():
     """The check itself: a chain a -> b -> c is three floors, and a circle is named."""
     assert longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ["a", "b", "c"]
@@ -250,6 +258,7 @@ def test_the_floor_count_can_fail():
         longest_chain({"a": {"b"}, "b": {"a"}})
 
 
+@pytest.mark.fast
 def test_style():
     """ruff, as ruff.toml configures it (line length 120, pycodestyle and pyflakes): the
     tree is formatted and lints clean. To fix: .venv/bin/ruff format . && .venv/bin/ruff check ."""
@@ -308,6 +317,7 @@ def sitting_counts():
     return counted, words, part
 
 
+@pytest.mark.prose
 def test_the_first_sitting_reads_in_90_minutes():
     """docs/course.md's first sitting: each step names a file and what of it to read, in
     the order lesson.py's loop runs them (lesson, pool, grpo, regimes, engine); the lines
@@ -366,6 +376,7 @@ WRONG = {
 }
 
 
+@pytest.mark.prose
 def test_the_course_says_none_of_what_was_wrong():
     """The sentences about off-policy correction that issue 49 found wrong stay out; the loss
     table says that its values are for one optimizer step per batch (pi_old = pi)."""
@@ -376,3 +387,48 @@ def test_the_course_says_none_of_what_was_wrong():
     assert not found, found
     course = re.sub(r"\s+", " ", open(os.path.join(ROOT, "docs", "course.md")).read())
     assert "**with one optimizer step per batch**, so that pi_old = pi" in course
+
+
+def long_docstrings(paths):
+    """[(file, name, docstring lines, the bound)] of every docstring in `paths` longer than its bound: a
+    module's 25 lines; a function's or a class's 6, or its own body's lines (not blank), whichever is
+    larger (a class's body is its methods: only its docstring's own 6 count)."""
+    bad = []
+    for path in paths:
+        text = open(path).read()
+        tree, lines = ast.parse(text), text.split("\n")
+        doc = ast.get_docstring(tree, clean=False)
+        if doc and len(doc.strip().splitlines()) > 25:
+            bad.append((os.path.relpath(path, ROOT), "the module", len(doc.strip().splitlines()), 25))
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            if not doc:
+                continue
+            rest = node.body[1:]
+            body = sum(1 for x in lines[rest[0].lineno - 1 : node.end_lineno] if x.strip()) if rest else 0
+            bound = 6 if isinstance(node, ast.ClassDef) else max(6, body)
+            if len(doc.strip().splitlines()) > bound:
+                bad.append((os.path.relpath(path, ROOT), node.name, len(doc.strip().splitlines()), bound))
+    return bad
+
+
+@pytest.mark.fast
+def test_docstrings_are_a_few_lines():
+    """Docstrings say what, in a sentence or a few lines; the why sits on the line it explains, and
+    measurements and history go to docs/ or the commit log. In the course (the root) and the system:
+    no docstring longer than 6 lines or its own body, whichever is larger; a module's at most 25."""
+    paths = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "system", "*.py"))
+    assert len(paths) > 15
+    assert not long_docstrings(paths), long_docstrings(paths)
+
+
+@pytest.mark.fast
+def test_the_docstring_rule_can_fail(tmp_path):
+    """The check itself: a 7-line docstring over a 2-line body fails, over an 8-line body it passes."""
+    doc = '    """' + "\n    ".join(["line"] * 7) + '"""\n'
+    (tmp_path / "a.py").write_text("def f():\n" + doc + "    x = 1\n    return x\n")
+    (tmp_path / "b.py").write_text("def f():\n" + doc + "    x = 1\n" * 8)
+    assert [b[1:] for b in long_docstrings([str(tmp_path / "a.py")])] == [("f", 7, 6)]
+    assert long_docstrings([str(tmp_path / "b.py")]) == []

@@ -23,7 +23,6 @@ import lesson
 from helpers import ROOT, SITTING_MODULES, first_sitting, graph
 from system.runlog import activity_spans
 
-pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
 # 6 steps of 4 groups of 4 long answers: every push lands while answers are being written
 ARGS = (
@@ -58,6 +57,7 @@ def read(run_dir, name):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.fast
 def test_lesson_is_short_and_imports_no_process_machinery():
     """At most 300 lines; neither lesson.py nor any project module it imports, directly
     or through another, imports the process machinery (the generator process, ranks,
@@ -78,6 +78,7 @@ def test_lesson_is_short_and_imports_no_process_machinery():
             assert bad not in text, f"{m}.py mentions {bad}"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("regime", REGIMES)
 def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
     """Two runs, the same metrics.jsonl, answers.jsonl and events.jsonl; and what the regime
@@ -145,6 +146,7 @@ def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
         )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("max_lag", [0, 1])
 def test_max_lag_bounds_the_lag(max_lag, tmp_path):
     """--max-lag k: no trained token is more than k versions older than the weights it
@@ -153,6 +155,7 @@ def test_max_lag_bounds_the_lag(max_lag, tmp_path):
     assert max(m["lag_max"] for m in metrics) == max_lag
 
 
+@pytest.mark.fast
 def test_ppo_clip_binds_with_several_steps_per_batch(tmp_path):
     """One optimizer step per batch: pi_old = pi, so PPO's clip never binds (clipped share
     0). --minibatches 4 at a large learning rate: the policy drifts within the batch and
@@ -167,6 +170,7 @@ def test_ppo_clip_binds_with_several_steps_per_batch(tmp_path):
         assert 0 < m["ess"] <= 1 and m["kl"] >= 0 and {"ess_stale", "kl_lag2", "clipped_frac_fresh"} <= set(m)
 
 
+@pytest.mark.fast
 def test_eval_at_scores_the_weights_held_then_and_costs_the_run_nothing(tmp_path):
     """--eval-at t1,t2: pass@1 of the weights the generator held at simulated second t (the last
     version loaded at or before t), evaluated after the run: the run's steps up to t2 are the
@@ -186,6 +190,7 @@ def test_eval_at_scores_the_weights_held_then_and_costs_the_run_nothing(tmp_path
 COSTS = dict(step_s=0.004, answer_s=5e-5, kv_s=4e-7, prefill_s=2.5e-5, busy_s=1e-3, train_s=1e-4, load_s=0.05)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("regime", ["stale", "drain"])
 def test_weights_load_when_the_clock_says(regime, tmp_path):
     """A push is ready --train-s x the step's run tokens after it starts; the load runs
@@ -219,6 +224,7 @@ def test_weights_load_when_the_clock_says(regime, tmp_path):
     assert fitted == pytest.approx(COSTS, rel=1e-2)
 
 
+@pytest.mark.prose
 def test_the_first_sitting_is_what_the_loop_calls(tmp_path):
     """docs/course.md's first sitting against what lesson.py's loop runs, watched with
     sys.setprofile over a short run of each regime at the default loss: every function of

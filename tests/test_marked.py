@@ -18,7 +18,7 @@ from helpers import ROOT
 sys.path.insert(0, os.path.join(ROOT, "lab"))
 import marked  # noqa: E402
 
-pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
+pytestmark = pytest.mark.prose  # the pages against their data (tests/conftest.py)
 
 
 def test_every_marked_table_is_rebuilt_from_the_data():

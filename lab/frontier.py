@@ -79,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
 from system.runlog import per_token, read_jsonl  # noqa: E402
-from sweep import interval, said, show_paired, verdict  # noqa: E402
+from stats import interval, mean_std, said, show_paired, verdict  # noqa: E402
 
 DATA = os.path.join(ROOT, "lab", "data", "frontier.jsonl")
 SEEDS, EXTRA_SEEDS = (0, 1, 2), (3, 4)
@@ -318,14 +318,14 @@ def block_table(data, block, loss):
     ]
     on = collections.Counter(r.get("processor", "?") for rs in rows.values() for r in rs)
     lines[0] += "; runs by processor: " + ", ".join(f"{n} on {p}" for p, n in sorted(on.items()))
-    fmt = lambda v, f="{:.3f}": f"{f.format(statistics.mean(v))} ± {f.format(statistics.stdev(v))}"
     pct = lambda rs, k, f="{:.1f}%": f.format(100 * statistics.mean(r[k] or 0 for r in rs))
     for (regime, eta), rs in rows.items():
         name = "sync" if regime == "sync" else f"{regime} eta {eta}"
         mean = lambda k, f: f.format(statistics.mean(r[k] for r in rs)) if all(r[k] is not None for r in rs) else "-"
         lines.append(
-            f"| {name} | " + " | ".join(fmt([r["acc"][t] for r in rs]) for t in ts)
-            + f" | {statistics.mean(r['steps'] for r in rs):.0f} | {fmt([r['steps_per_min'] for r in rs], '{:.1f}')}"
+            f"| {name} | " + " | ".join(mean_std([r["acc"][t] for r in rs], "{:.3f}") for t in ts)
+            + f" | {statistics.mean(r['steps'] for r in rs):.0f}"
+            f" | {mean_std([r['steps_per_min'] for r in rs], '{:.1f}')}"
             f" | {mean('lag_mean', '{:.2f}')} | {max(r['lag_max'] for r in rs)}"
             f" | {pct(rs, 'stale')} | {pct(rs, 'recomputed', '{:.0f}%')}"
             f" | {mean('ess', '{:.3f}')} | {mean('kl', '{:.1e}')} | {pct(rs, 'clipped')}"

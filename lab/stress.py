@@ -27,7 +27,7 @@ The losses are those grpo.LOSSES held then (HOLDS_LOSSES): `m2po-authors`, added
 Tables: final pass@1 at equal steps (every run takes the preset's steps) and at equal simulated
 time (the earliest end among the runs compared: each run's last evaluation at or before it),
 each against the reference row as a paired difference (mean, 95% t interval over seeds;
-lab/sweep.py's t_interval). Each row's numbers (over its seeds, with each seed's final pass@1 and
+lab/stats.py). Each row's numbers (over its seeds, with each seed's final pass@1 and
 answers.jsonl md5) go onto lab/data/stress.jsonl, committed, and the course's table (TABLES) is built
 from those lines alone and written into docs/course.md between its markers (lab/marked.py); so are
 RESULTS.md's stress tables, whose lines were copied from RESULTS.md (each says "source" and its batch).
@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import marked  # noqa: E402
 from course import finished  # noqa: E402
 from system.runlog import per_token, read_jsonl  # noqa: E402
-from sweep import show_paired, t_interval, verdict  # noqa: E402
+from stats import paired_t, show_paired, show_spread, spread, verdict  # noqa: E402
 
 SEEDS = (0, 1, 2)
 HOLDS_LOSSES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po")  # stage 2's: grpo.LOSSES at issue 50
@@ -152,26 +152,6 @@ def at_time(curve, t):
     return [acc for _, wall, acc in curve if wall <= t + 1e-9][-1]
 
 
-def paired(a, b):
-    """a - b over seeds (lists in seed order), in points: [mean, low, high] by the t interval, [mean] without one."""
-    d = [100 * (x - y) for x, y in zip(a, b)]
-    return [statistics.mean(d), *(t_interval(d) or ())]
-
-
-def paired_t(a, b):
-    """a - b over seeds: 'mean [low, high]' in points."""
-    return show_paired(paired(a, b))
-
-
-def spread(values):
-    """[mean, sample std] over seeds, [value] for one."""
-    return [statistics.mean(values), statistics.stdev(values)] if len(values) > 1 else [values[0]]
-
-
-def ms(values, fmt="{:.3f}"):
-    return " ± ".join(fmt.format(v) for v in values)
-
-
 KEY = ("batch", "stage", "setting", "label", "loss_agg")  # a row of the data file: the last line with these wins
 
 
@@ -190,7 +170,7 @@ def summarise(stage, setting, rows, reference):
         vs = {}
         if label != reference:
             finals = [r["final"] for r in runs[:n]], [r["final"] for r in ref[:n]]
-            vs[reference] = dict(final=paired(*finals), at=paired(at(runs[:n]), at(ref[:n])))
+            vs[reference] = dict(final=paired_t(*finals), at=paired_t(at(runs[:n]), at(ref[:n])))
         lines.append(
             dict(
                 batch=None,  # a fresh run's; the lines copied from RESULTS.md name theirs
@@ -253,9 +233,10 @@ def table(title, lines, reference):
         vs = s["vs"].get(reference)
         out.append(
             f"| {s['setting'] + ': ' if s['stage'] == 'pilot' else ''}{s['label']} | {len(s['seeds'])} "
-            f"| {ms(s['final'])} | {show_paired(vs['final']) if vs else '-'} "
-            f"| {ms(s['at_s'][t])} | {show_paired(vs['at']) if vs else '-'} "
-            f"| {ms(s['steps_per_min'], '{:.1f}')} | {100 * s['stale']:.1f}% | {s['lag']:.2f} | {s['ess']:.4f} "
+            f"| {show_spread(s['final'])} | {show_paired(vs['final']) if vs else '-'} "
+            f"| {show_spread(s['at_s'][t])} | {show_paired(vs['at']) if vs else '-'} "
+            f"| {show_spread(s['steps_per_min'], '{:.1f}')} | {100 * s['stale']:.1f}% | {s['lag']:.2f} "
+            f"| {s['ess']:.4f} "
             f"| {100 * s['clipped']:.2f}% | {s['kl']:.1e} / {s['kl_last']:.1e} | {s['reward']:.3f} "
             f"| {100 * s['finished']:.1f}% | " + (f"{s['runtime']:.0f} |" if s["runtime"] else "|")
         )
@@ -290,7 +271,7 @@ def course_losses():
         "|---" * 7 + "|",
     ]
     for shown, s in lines:
-        final, vs = ms(s["final"]), s["vs"].get("stale none")
+        final, vs = show_spread(s["final"]), s["vs"].get("stale none")
         out.append(
             f"| {shown} | {f'**{final}**' if s['final'][0] == best else final} "
             f"| {show_paired(vs['final']) if vs else ''} "
@@ -359,11 +340,11 @@ def pilot(out, jobs, table_only):
         lines = summarise("pilot", label, rows, "sync none")
         keep(lines)
         tables.append(table(f"**pilot: {label}** (`{' '.join(flags) or 'the preset as it is'}`)", lines, "sync none"))
-        d = [100 * (a["final"] - b["final"]) for a, b in zip(rows[0][2], rows[1][2])]
-        breaks = t_interval(d)[1] < 0
+        m, lo, hi = paired_t(*([r["final"] for r in runs] for _, _, runs in rows))  # stale none - sync none
+        breaks = hi < 0
         tables.append(
-            f"rule: stale none - sync none = {statistics.mean(d):+.1f} points, t interval "
-            f"[{t_interval(d)[0]:+.1f}, {t_interval(d)[1]:+.1f}]: " + ("breaks" if breaks else "holds")
+            f"rule: stale none - sync none = {m:+.1f} points, t interval [{lo:+.1f}, {hi:+.1f}]: "
+            + ("breaks" if breaks else "holds")
         )
         if breaks:
             chosen = (label, flags)
@@ -401,11 +382,15 @@ def holds(out, setting, jobs, table_only):
     runs = dict(rows2)
     kv = [
         f"stale KV against rebuilt KV, {name}: stale - recompute = "
-        + paired_t([r["final"] for r in runs[f"stale {name}"]], [r["final"] for r in runs[f"recompute {name}"]])
+        + show_paired(
+            paired_t([r["final"] for r in runs[f"stale {name}"]], [r["final"] for r in runs[f"recompute {name}"]])
+        )
         + " points at equal steps, "
-        + paired_t(
-            [at_time(r["curve"], t) for r in runs[f"stale {name}"]],
-            [at_time(r["curve"], t) for r in runs[f"recompute {name}"]],
+        + show_paired(
+            paired_t(
+                [at_time(r["curve"], t) for r in runs[f"stale {name}"]],
+                [at_time(r["curve"], t) for r in runs[f"recompute {name}"]],
+            )
         )
         + f" at {t:.0f} s"
         for name in (best, "none")

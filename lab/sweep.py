@@ -60,6 +60,7 @@ from system.runlog import per_token, read_jsonl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import marked  # noqa: E402
+from stats import interval, mean_std, said, show_paired, t_interval, verdict  # noqa: E402
 
 # Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
 # before the sweep: halfway from the start to the end of pilot sync runs of the preset
@@ -207,55 +208,6 @@ def paired(rows, a, b, value):
     rng = random.Random(0)
     means = sorted(statistics.mean(rng.choices(d, k=len(d))) for _ in range(10000))
     return statistics.mean(d), (means[249], means[9749]), len(d)
-
-
-# t(0.975, df), df = seeds - 1: the paired t-test's quantiles (a table: the project does not
-# depend on scipy, and sweeps have 2-11 seeds)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-# t(0.80, df): with T975, the difference a paired test of these seeds detects with 80% power
-T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
-
-
-def t_interval(d):
-    """The paired differences d's 95% interval by a paired t-test, mean ± t * sd / sqrt(n) (interval's):
-    a second opinion beside the bootstrap, which is narrow on few seeds. None outside 2-11 seeds."""
-    return interval(d)[1:3] if 2 <= len(d) <= len(T975) + 1 else None
-
-
-def interval(d):
-    """(mean, low, high, detectable at 80% power) of paired differences d, in points; None bounds with < 2."""
-    m = statistics.mean(d)
-    if len(d) < 2:
-        return m, None, None, None
-    se = statistics.stdev(d) / len(d) ** 0.5
-    return m, m - T975[len(d) - 1] * se, m + T975[len(d) - 1] * se, (T975[len(d) - 1] + T80[len(d) - 1]) * se
-
-
-def show_paired(d):
-    """(mean, low, high) in points as the pages write it, 'mean [low, high]'; (mean,) alone as the mean."""
-    return f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]" if len(d) == 3 else f"{d[0]:+.1f}"
-
-
-def said(d):
-    """A paired difference as the write-up says it: mean [low, high], and 'cannot tell' where the interval holds 0."""
-    m, lo, hi, power = interval(d)
-    if lo is None:
-        return f"{m:+.1f} (one seed)"
-    return f"{show_paired((m, lo, hi))} {verdict(lo, hi)}; 80%: {power:.1f}"
-
-
-def verdict(lo, hi):
-    """What an interval lets the write-up say: 'cannot tell' where it holds 0."""
-    return "cannot tell" if lo <= 0 <= hi else ("higher" if lo > 0 else "lower")
-
-
-def mean_std(values, fmt):
-    """'m ± s' over seeds (sample std), or just the value for one seed."""
-    if len(values) == 1:
-        return fmt.format(values[0])
-    return f"{fmt.format(statistics.mean(values))} ± {fmt.replace('+', '').format(statistics.stdev(values))}"
 
 
 def columns(rows, target):

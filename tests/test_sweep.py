@@ -206,7 +206,7 @@ def test_frontier_says_intervals_and_power_by_hand():
     """d = 1, 2, 3 points: mean 2, sd 1, se 1/sqrt(3) = 0.5774; the 95% interval 2 ± 4.303 x
     0.5774 = 2 ± 2.48 = [-0.5, +4.5] holds 0: "cannot tell"; the difference 3 seeds detect with 80% power
     is (4.303 + 1.061) x 0.5774 = 3.1 (not the half-width, 2.5). d = 4, 5, 6: [+2.5, +7.5], above 0."""
-    from lab.frontier import said
+    from lab.stats import said
 
     assert said([1, 2, 3]) == "+2.0 [-0.5, +4.5] cannot tell; 80%: 3.1"
     assert said([4, 5, 6]) == "+5.0 [+2.5, +7.5] higher; 80%: 3.1"

@@ -385,42 +385,35 @@ def sides(data):
     return found, out
 
 
-def grid_says(data=None):
-    """The course's count of the grid's stale - recompute intervals: how many hold 0, each that does not."""
+def counts(data=None):
+    """What the pages say of the grid's stale - recompute intervals, each a value of VALUES: how many runs
+    and intervals, how many hold 0, and each that does not, by side; how many would exclude 0 by chance."""
     data = data or read_data()
     found, side = sides(data)
-    said_ = {
-        k: [
+    listed = {
+        k: "; ".join(
             f"{where(b, loss)}, eta {eta}, {float(t):g} s: {show_paired((m, lo, hi))}"
             + (f", {n} seeds" if n > len(SEEDS) else "")
             for b, loss, eta, t, m, lo, hi, n in v
-        ]
+        )
+        or "none"
         for k, v in side.items()
     }
-    up, down = said_["higher"], said_["lower"]
-    return (
-        f"What the grid says ({len(data['runs'])} runs; the tables in RESULTS). `stale` - `recompute` is "
-        f"{len(found)} intervals ({len({x[:2] for x in found})} blocks and losses x {len(ETAS)} etas x "
-        f"{len({x[3] for x in found if x[:2] == found[0][:2]})} budgets): "
-        f'{len(found) - len(up) - len(down)} hold 0 ("cannot tell"); {len(up)} favour `stale` '
-        f"({'; '.join(up) or 'none'}); {len(down)} favour `recompute` ({'; '.join(down) or 'none'}). "
-        f"About {round(0.05 * len(found))} of {len(found)} would exclude 0 by chance alone."
-    )
-
-
-def readme_says(data=None):
-    """The README's sentence on the grid, from the same count."""
-    data = data or read_data()
-    found, side = sides(data)
-    up, down = ([where(b, loss) for b, loss, *_ in side[k]] for k in ("higher", "lower"))
-    alike = lambda side: f" (all {side[0]})" if len(set(side)) == 1 and len(side) > 1 else ""  # noqa: E731
-    return (
-        f"- How far ahead (`lab/frontier.py`, {len(data['runs'])} runs, 3 seeds): at equal simulated time "
-        f"{len(found) - len(up) - len(down)} of {len(found)} `stale` - `recompute` intervals hold 0, {len(down)} "
-        f"favour `recompute`{alike(down)} and {len(up)} `stale`{alike(up)}; about {round(0.05 * len(found))} "
-        "would by chance. Which regime and eta to run: the "
-        "[decision table](docs/course.md#how-far-ahead-the-staleness-frontier)."
-    )
+    same = len(found) - len(side["higher"]) - len(side["lower"])
+    return {
+        "runs": str(len(data["runs"])),
+        "intervals": str(len(found)),
+        "pairs": str(len({x[:2] for x in found})),  # (block, loss) pairs
+        "etas": str(len(ETAS)),
+        "budgets": str(len({x[3] for x in found if x[:2] == found[0][:2]})),
+        "same": str(same),  # intervals that hold 0
+        "hold": f"{same} of {len(found)}",
+        "up": str(len(side["higher"])),  # favour stale
+        "up-list": listed["higher"],
+        "down": str(len(side["lower"])),  # favour recompute
+        "down-list": listed["lower"],
+        "luck": str(round(0.05 * len(found))),  # intervals that would exclude 0 by chance at 95%
+    }
 
 
 def tables(data):
@@ -473,9 +466,9 @@ def block_text(block, loss):
 
 TABLES = {f"frontier-{b}-{loss}": functools.partial(block_text, b, loss) for b, loss in ORDER} | {
     "frontier-decision": decision,
-    "frontier-intervals": grid_says,
-    "frontier-readme": readme_says,
 }
+COUNTED = "runs intervals pairs etas budgets same hold up up-list down down-list luck".split()  # counts()
+VALUES = {name: functools.partial(lambda name: counts()[name], name) for name in COUNTED}  # README's and course's
 
 
 def figure(data, path):
@@ -530,7 +523,7 @@ def main():
     if args.figure:
         print("figure:", figure(data, os.path.join(ROOT, "docs", "frontier.png")))
     print(tables(data) + "\n\n" + decision(data))
-    for page, name in marked.write(TABLES):
+    for page, name in marked.write(TABLES, values=VALUES):
         print(f"wrote {name} into {page}", file=sys.stderr)
 
 

@@ -508,7 +508,7 @@ def record(rows, name, preset, tree=ROOT):
         line = dict({k: r[k] for k in KEPT}, sweep=name, preset=preset, eval_n=r["cfg"]["eval_n"], **where)
         line.update(right=round(r["acc1"] * line["eval_n"]))
         marked.record("sweep", line, key=["sweep", "regime", "pool", "seed"])
-    for page, table in marked.write(TABLES):
+    for page, table in marked.write(TABLES, values=VALUES):
         print(f"wrote table {table} in {page}")
 
 
@@ -551,24 +551,21 @@ def finals_table():
     )
 
 
-def readme_sentence():
-    """The README's sentence: the quoted comparisons, each no stronger than its interval, and the
-    long preset's steps per minute, stale over drain (their means over the seeds)."""
-    (level, cost) = (difference(*q) for q in QUOTED)
-    (lv, cv) = (interval(d)[:3] for d in (level, cost))  # (mean, low, high)
-    short = lambda m, lo, hi: f"{show_paired((m, lo, hi))}, {verdict(lo, hi)}"  # noqa: E731
-    cost_said = short(*cv) + (": asynchrony cost a little there" if verdict(*cv[1:]) == "lower" else "")
+def quoted(i):
+    """The i-th quoted comparison as the README says it: 'mean [low, high], verdict', in points."""
+    m, lo, hi, _ = interval(difference(*QUOTED[i]))
+    return f"{show_paired((m, lo, hi))}, {verdict(lo, hi)}"
+
+
+def pace():
+    """The long preset's steps per minute, stale over drain (their means over the quoted sweep's seeds)."""
     runs = recorded(QUOTED[0][0]).values()
     speed = {x: statistics.mean(r["steps_per_min"] for r in runs if r["regime"] == x) for x in ("stale", "drain")}
-    return (
-        f"- In `train.py`, final pass@1: on the long preset `stale` - `recompute` is {short(*lv)} "
-        f"({len(level)} seeds), and `stale` took {speed['stale'] / speed['drain']:.2f}x `drain`'s steps per minute "
-        f"(two processes sharing 2 cores); on the default preset `recompute` - `sync` is {cost_said} ({len(cost)} "
-        "seeds; [both](lab/RESULTS.md#trainpys-sweeps-in-the-data-file))."
-    )
+    return f"{speed['stale'] / speed['drain']:.2f}x"
 
 
-TABLES = {"sweep-finals": finals_table, "sweep-readme": readme_sentence}
+TABLES = {"sweep-finals": finals_table}
+VALUES = {"t-level": lambda: quoted(0), "t-pace": pace, "t-cost": lambda: quoted(1)}  # the README's train.py sentence
 
 
 # -----------------------------------------------------------------------------

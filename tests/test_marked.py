@@ -1,7 +1,7 @@
 """
-Every marked table of README.md, docs/course.md and RESULTS.md is what its builder makes of the
-committed data (lab/data/<tool>.jsonl): a digit typed by hand, a copy that drifted from its
-original, a block nobody builds, or a builder whose block was deleted, fails here.
+Every marked table and value of README.md, docs/course.md and RESULTS.md is what its builder makes
+of the committed data (lab/data/<tool>.jsonl): a digit typed by hand, a copy that drifted from its
+original, a block or value nobody builds, or a builder whose block or value was deleted, fails here.
 
     .venv/bin/python -m pytest -q tests/test_marked.py
 """
@@ -21,8 +21,9 @@ import marked  # noqa: E402
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
 
-def test_every_marked_table_is_rebuilt_from_the_data():
+def test_every_marked_table_and_value_is_rebuilt_from_the_data():
     assert marked.differences() == [], "\n".join(marked.differences())
+    assert len(marked.values(open(os.path.join(ROOT, "README.md")).read())) > 10  # the README's sentences hold values
 
 
 def copy_pages(tmp_path):
@@ -69,4 +70,43 @@ def test_write_puts_the_builders_text_between_the_markers_alone(tmp_path):
     name, body = marked.blocks(text)[0]
     path.write_text(text.replace(body, "| stale | 9.999 |"))
     assert ("README.md", name) in marked.write(marked.builders(), root=tmp_path)
+    assert path.read_text() == text
+
+
+def test_one_changed_digit_in_a_value_fails(tmp_path):
+    """On a copy of the pages: one digit of a value inside a README sentence changed is found, by its name;
+    the words around a value are the page's own, and changing them is no difference."""
+    copy_pages(tmp_path)
+    path = tmp_path / "README.md"
+    text = path.read_text()
+    name, body = next((n, b) for n, b in marked.values(text) if re.search(r"\d", b))
+    digit = re.search(r"\d", body)
+    changed = body[: digit.start()] + str((int(digit.group()) + 1) % 10) + body[digit.end() :]
+    marker = f"<!--{name}-->{body}<!---->"
+    path.write_text(text.replace(marker, f"<!--{name}-->{changed}<!---->").replace("Long answers", "Long replies"))
+    found = marked.differences(tmp_path)
+    assert len(found) == 1 and f"README.md: value '{name}': the page has {changed!r}" in found[0], found
+
+
+def test_a_value_with_no_builder_and_a_builder_with_no_value_fail(tmp_path):
+    copy_pages(tmp_path)
+    path = tmp_path / "README.md"
+    text = path.read_text()
+    elsewhere = {n for page in marked.PAGES[1:] for n, _ in marked.values((tmp_path / page).read_text())}
+    name = next(n for n, _ in marked.values(text) if n not in elsewhere)  # a value of the README alone
+    path.write_text(text.replace(f"<!--{name}-->", "<!--nobody-builds-this-->"))
+    found = marked.differences(tmp_path)
+    assert any("value 'nobody-builds-this' has no builder" in f for f in found), found
+    assert any(f"value '{name}' has a builder and no place" in f for f in found), found
+
+
+def test_write_puts_each_values_text_between_its_markers_alone(tmp_path):
+    """write() on a page whose value reads something else: the value becomes its builder's text, and
+    every character outside its markers stays as it was."""
+    copy_pages(tmp_path)
+    path = tmp_path / "README.md"
+    text = path.read_text()
+    name, body = marked.values(text)[0]
+    path.write_text(text.replace(f"<!--{name}-->{body}<!---->", f"<!--{name}-->9.99 [stale]<!---->"))
+    assert ("README.md", name) in marked.write({}, marked.builders("VALUES"), root=tmp_path)
     assert path.read_text() == text

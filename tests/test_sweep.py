@@ -234,14 +234,14 @@ def test_record_keeps_each_run_once_and_the_quoted_difference_is_paired(tmp_path
     marked = sweep.marked  # the module sweep writes through (tools/ on its path: not tools.marked)
     monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
     written = []
-    monkeypatch.setattr(marked, "write", lambda tables, **kw: written.append(sorted(tables)) or [])
+    monkeypatch.setattr(marked, "write", lambda tables, values, **kw: written.append(sorted(tables | values)) or [])
     run = {k: 0.0 for k in sweep.KEPT} | dict(pool="fifo", cfg=dict(eval_n=16))
     finals = {("stale", 0): 0.75, ("stale", 1): 0.5, ("stale", 2): 0.25, ("sync", 0): 0.5, ("sync", 1): 0.5}
     rows = [run | dict(regime=r, seed=s, acc1=v) for (r, s), v in finals.items()]
     sweep.record(rows, "t", "default")
     sweep.record(rows, "t", "default")
     lines = [json.loads(x) for x in open(tmp_path / "sweep.jsonl")]
-    assert len(lines) == 5 and written == [["sweep-finals", "sweep-readme"]] * 2
+    assert len(lines) == 5 and written == [["sweep-finals", "t-cost", "t-level", "t-pace"]] * 2
     assert [x["right"] for x in lines] == [12, 8, 4, 8, 8] and {x["sweep"] for x in lines} == {"t"}
     assert sweep.difference("t", "stale", "sync") == [25.0, 0.0]
 
@@ -250,7 +250,7 @@ def test_frontier_counts_its_intervals_by_hand():
     """The course's and the README's count of stale - recompute intervals, on one block of made-up
     runs at one budget: at eta 1 stale leads by 10, 9, 8 points (an interval above 0); at eta 2 it
     trails by 10, 9, 8; at eta 4 and 8 the differences are +1, -1, 0 (intervals holding 0)."""
-    from lab.frontier import cell_name, grid_says, readme_says
+    from lab.frontier import cell_name, counts
 
     block, loss = "gen-slower-lr-x4", "ppo"
     runs = {}
@@ -258,10 +258,9 @@ def test_frontier_counts_its_intervals_by_hand():
         for seed, x in enumerate(d):
             for regime, acc in (("stale", 0.5 + x / 100), ("recompute", 0.5)):
                 runs[cell_name(block, loss, regime, eta, seed)] = dict(acc={"10.0": acc})
-    data = dict(budgets={block: [10.0]}, runs=runs)
-    said = grid_says(data)
-    assert "is 4 intervals (1 blocks and losses x 4 etas x 1 budgets): 2 hold 0" in said, said
-    assert "1 favour `stale` (`ppo` at 4x the rate, generation the slower side, eta 1, 10 s: +9.0 [" in said, said
-    assert "1 favour `recompute` (`ppo` at 4x the rate, generation the slower side, eta 2, 10 s: -9.0 [" in said
-    assert "(24 runs;" in said and "About 0 of 4 would exclude 0 by chance" in said, said
-    assert "2 of 4 `stale` - `recompute` intervals hold 0, 1 favour `recompute` and 1 `stale`;" in readme_says(data)
+    said = counts(dict(budgets={block: [10.0]}, runs=runs))
+    assert said["runs"] == "24" and said["intervals"] == "4" and said["pairs"] == "1" and said["budgets"] == "1", said
+    assert said["same"] == "2" and said["hold"] == "2 of 4" and said["up"] == said["down"] == "1", said
+    assert said["up-list"].startswith("`ppo` at 4x the rate, generation the slower side, eta 1, 10 s: +9.0 ["), said
+    assert said["down-list"].startswith("`ppo` at 4x the rate, generation the slower side, eta 2, 10 s: -9.0 [")
+    assert said["luck"] == "0", said  # 5% of 4 intervals

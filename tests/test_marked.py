@@ -110,3 +110,29 @@ def test_write_puts_each_values_text_between_its_markers_alone(tmp_path):
     path.write_text(text.replace(f"<!--{name}-->{body}<!---->", f"<!--{name}-->9.99 [stale]<!---->"))
     assert ("README.md", name) in marked.write({}, marked.builders("VALUES"), root=tmp_path)
     assert path.read_text() == text
+
+
+def test_a_course_table_is_built_from_one_kind_of_line(tmp_path, monkeypatch):
+    """lab/course.py after `course.py answers` in a fresh clone: its two runs go onto the data file, and the
+    long preset's `stale` run is a row of all six experiments. The answers table is built from the two runs
+    (every row has one); the other five keep the lines copied from RESULTS.md, as the page prints them, where
+    mixing the two kinds had no equal time (a ValueError after the runs, issue 69)."""
+    import course
+
+    monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
+    shutil.copy(os.path.join(ROOT, "lab", "data", "course.jsonl"), tmp_path / "course.jsonl")
+    before = {name: build() for name, build in course.TABLES.items()}
+    ends = {"default preset": 100.0, "--preset long": 85.0}  # simulated seconds, made up
+    for line in marked.read("course"):
+        for label in [label for name, label in line["rows"] if name == "answers"]:
+            run = {k: v for k, v in line.items() if k not in ("source", "at_s")}  # as this tool records a run
+            marked.append("course", run | dict(curve=[[0.0, line["start"]], [ends[label], line["final"]]]))
+    assert [n for n in course.EXPERIMENTS if course.table(n) != before[f"course-{n}"]] == ["answers"]
+    assert course.regime("stale") == [s for s in marked.read("course") if "source" in s][3]  # the copied line
+    assert "| pass@1 at 85 s |" in course.table("answers")  # the runs' own equal time: the earliest end
+    assert {name: build() for name, build in course.TABLES.items() if name != "course-answers"} == {
+        name: text for name, text in before.items() if name != "course-answers"
+    }
+    copied, ran = dict(fresh="no"), dict(fresh="yes", curve=[[0.0, 0.5]])
+    assert course.choose([("a", [copied, ran]), ("b", [copied])]) == [("a", copied), ("b", copied)]
+    assert course.choose([("a", [copied, ran]), ("b", [ran]), ("c", [])]) == [("a", ran), ("b", ran)]

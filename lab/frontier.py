@@ -16,7 +16,7 @@ picks the grid up where the file leaves it.
 
 Everything below was written down before the first run of this grid (the grid of 2026-12-04,
 all `recompute`, at one learning rate, with eta 8 and 16 that never got past lag ~3, is in
-RESULTS.md as it was; nothing of it is reused).
+lab/archive.md as it was; nothing of it is reused).
 
 The runs. Each cell is `lesson.py --preset long --lr-schedule constant --eval-every 0` with the
 block's `--lr` and `--train-s`, the loss's flags, `--seed s` and `--eval-at` the block's budgets:

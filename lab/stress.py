@@ -56,7 +56,7 @@ from stats import paired_t, show_paired, show_spread, spread, verdict  # noqa: E
 
 SEEDS = (0, 1, 2)
 HOLDS_LOSSES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po")  # stage 2's: grpo.LOSSES at issue 50
-# the long preset cut to 40 steps (every regime has reached its plateau by step ~40, RESULTS.md), pass@1 every
+# the long preset cut to 40 steps (every regime has reached its plateau by step ~40, lab/archive.md), pass@1 every
 # 10 steps for the learning curves: ~3 minutes a run on one core
 BASE = ("--preset", "long", "--steps", "40", "--eval-every", "10")
 SETTINGS = [  # (label, lesson.py flags), from the least off-policy to the most

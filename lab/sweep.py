@@ -65,7 +65,7 @@ from stats import interval, mean_std, said, show_paired, t_interval, verdict  # 
 # Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
 # before the sweep: halfway from the start to the end of pilot sync runs of the preset
 # (default: 0.578 -> 0.758, one run; long: 0.469 -> 0.626, the mean of sync seeds 0-2 from
-# the step-400 tiny-long; RESULTS.md). Earlier long presets' sweeps used 0.44 and 0.61.
+# the step-400 tiny-long; lab/archive.md). Earlier long presets' sweeps used 0.44 and 0.61.
 TARGETS = {"default": 0.67, "long": 0.55}
 
 REGIMES = ["sync", "drain", "discard", "stale", "recompute"]
@@ -385,7 +385,7 @@ def analysis(rows, target):
     claims += [
         ("final pass@1: stale - recompute", ("stale", "fifo"), ("recompute", "fifo"), lambda r: r["acc1"], "{:+.3f}")
     ]
-    # does the main job still learn as sync does? (RESULTS.md, "Does it learn?": every regime against sync)
+    # does the main job still learn as sync does? (lab/archive.md, "Does it learn?": every regime against sync)
     claims += [
         (f"final pass@1: {x} - sync", (x, "fifo"), ("sync", "fifo"), lambda r: r["acc1"], "{:+.3f}")
         for x in REGIMES[1:]
@@ -444,7 +444,7 @@ def analysis(rows, target):
                 ),
             ]
             # every regime plateaus near sync's final accuracy, so whether a run reaches it is
-            # close to chance (RESULTS.md); the target, where the curves still climb, separates them
+            # close to chance (lab/archive.md); the target, where the curves still climb, separates them
             if target is not None:
                 claims += [
                     (

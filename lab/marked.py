@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PAGES = ("README.md", "docs/course.md", "lab/RESULTS.md")
-# tools/<name>.py (lab/study.py: at the root), each with TABLES; its data is lab/data/<name>.jsonl
+# lab/<name>.py, each with TABLES (and VALUES, if its numbers stand in sentences); its data is lab/data/<name>.jsonl
 TOOLS = ("course", "stress", "frontier", "sweep", "study")
 # a block: its opening line, its text (lines, possibly none), its closing line
 BLOCK = re.compile(r"^<!-- table: ([\w.-]+) -->\n(.*?)^<!-- end -->$", re.M | re.S)
@@ -160,7 +160,8 @@ def write(tables, values=None, pages=PAGES, root=ROOT):
 
 def differences(root=ROOT):
     """Every way the pages under `root` differ from the data: a block whose text is not its builder's
-    (named with the first line that differs), a block with no builder, a builder with no block."""
+    (named with the first line that differs), a block with no builder, a builder with no block; and
+    the same of values."""
     tables, seen, out = builders(), set(), []
     for page in PAGES:
         for name, body in blocks(open(os.path.join(root, page)).read()):
@@ -193,7 +194,7 @@ def differences(root=ROOT):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--write", action="store_true", help="rewrite every marked block from the committed data")
+    p.add_argument("--write", action="store_true", help="rewrite every marked block and value from the committed data")
     args = p.parse_args()
     if args.write:
         for page, name in write(builders(), builders("VALUES")):

@@ -213,6 +213,17 @@ def test_frontier_says_intervals_and_power_by_hand():
     assert said([-6, -5, -4]) == "-5.0 [-7.5, -2.5] lower; 80%: 3.1"
 
 
+def test_stress_pairs_and_spreads_by_hand():
+    """lab/stats.py as the stress tables use it: a - b per seed in points, 25, 0, 12.5 (mean 12.5, sd 12.5), its
+    t interval 12.5 ± 4.303 x 12.5 / sqrt(3) = [-18.6, +43.6]; one seed, the mean alone; 'mean ± sd' without
+    the sign on the sd, and one value as it is."""
+    from lab.stats import mean_std, paired_t, show_paired
+
+    assert show_paired(paired_t([0.75, 0.5, 0.625], [0.5, 0.5, 0.5])) == "+12.5 [-18.6, +43.6]"
+    assert paired_t([0.75], [0.5]) == [25.0] and show_paired([25.0]) == "+25.0"
+    assert mean_std([0.5, 0.75], "{:+.3f}") == "+0.625 ± 0.177" and mean_std([0.5], "{:.3f}") == "0.500"
+
+
 def test_frontier_tables_come_from_the_data_file_alone(tmp_path):
     """With no runs recorded, every table and the decision table say how many runs are missing,
     and nothing is read from out/."""

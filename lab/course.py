@@ -13,7 +13,8 @@ directory. Each run's summary (every number its rows print, its pass@1 curve, th
 answers.jsonl) goes onto lab/data/course.jsonl, committed; the tables are built from those lines
 alone and written into docs/course.md, RESULTS.md and the README between their markers
 (lab/marked.py). The first 16 lines there were copied from RESULTS.md's tables (each says
-"source"): they have no curve, only pass@1 at the equal times those tables printed.
+"source"): they have no curve, only pass@1 at the equal times those tables printed, so a table shows
+them until every one of its rows has a run of this tool (choose).
 """
 
 import argparse
@@ -66,7 +67,7 @@ EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
         [("default preset", ("--regime", "stale")), ("--preset long", (*LONG, "--regime", "stale"))],
     ),
 }
-TARGET = 0.55  # the long preset's target accuracy (RESULTS.md)
+TARGET = 0.55  # the long preset's target accuracy (sweep.py's TARGETS)
 
 
 def finished(run):
@@ -121,11 +122,27 @@ def equal_time(runs):
     return t, [s["at_s"][t] for s in runs]
 
 
-def rows_of(name):
-    """[(label, the last committed line for that row)] of one experiment, in its order."""
+def lines_of(name):
+    """[(label, every committed line of that row, oldest first)] of one experiment, in its order."""
     lines = marked.read("course")
-    found = [(label, [s for s in lines if [name, label] in s["rows"]]) for label, _ in EXPERIMENTS[name][1]]
-    return [(label, runs[-1]) for label, runs in found if runs]
+    return [(label, [s for s in lines if [name, label] in s["rows"]]) for label, _ in EXPERIMENTS[name][1]]
+
+
+def choose(found):
+    """lines_of's rows -> [(label, the line its table shows)]. A table is built from one kind of line: each
+    row's last run of this tool (with a curve) when every row on file has one, else each row's line copied
+    from RESULTS.md. A run is a row of several experiments (`stale` at the defaults is one of six), so a
+    run of one experiment leaves the others' tables as they were until all their rows are run; a row
+    with no line of the kind chosen is left out, as a row never run is."""
+    found = [(label, lines) for label, lines in found if lines]
+    fresh = all(any(s.get("curve") for s in lines) for _, lines in found)
+    chosen = [(label, [s for s in lines if bool(s.get("curve")) == fresh]) for label, lines in found]
+    return [(label, lines[-1]) for label, lines in chosen if lines]
+
+
+def rows_of(name):
+    """[(label, the committed line its table shows)] of one experiment, in its order (choose)."""
+    return choose(lines_of(name))
 
 
 def table(name):
@@ -163,15 +180,19 @@ def readme_regimes():
             f"| `{label}` | {s['final']:.3f} | {s['steps_per_min']:.1f} | {100 * s['stale']:.0f}% | {s['lag']:.2f} "
             f"| {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% |"
         )
-    stale, drain = (dict(rows)[x] for x in ("stale", "drain"))
-    return "\n".join(lines) + (
-        f"\n\n- Long answers make {100 * stale['stale']:.0f}% of `stale`'s trained tokens stale, and the in-flight "
-        f"regimes keep the generator busy: `stale` takes {stale['steps_per_min'] / drain['steps_per_min']:.1f}x "
-        "`drain`'s steps per simulated minute."
-    )
+    return "\n".join(lines)
+
+
+def regime(label):
+    """The last committed line of one row of the regimes table."""
+    return dict(rows_of("regimes"))[label]
 
 
 TABLES = {f"course-{name}": functools.partial(table, name) for name in EXPERIMENTS} | {"regimes-short": readme_regimes}
+VALUES = {  # the README's sentence under its regimes table
+    "stale": lambda: f"{100 * regime('stale')['stale']:.0f}%",  # stale's trained tokens that read stale KV
+    "pace": lambda: f"{regime('stale')['steps_per_min'] / regime('drain')['steps_per_min']:.1f}x",  # stale / drain
+}
 
 
 def main():
@@ -209,7 +230,16 @@ def main():
                 )
             record(run, flags, rows[run])
         print(table(name) + "\n", flush=True)
-    for page, name in marked.write(TABLES):
+    for name in EXPERIMENTS:
+        found = [lines for _, lines in lines_of(name) if lines]
+        fresh = sum(any(s.get("curve") for s in lines) for lines in found)
+        if 0 < fresh < len(found):
+            print(
+                f"{name}: {fresh} of its {len(found)} rows run by this tool; its table shows the lines copied from "
+                f"RESULTS.md until all are (lab/course.py {name})",
+                file=sys.stderr,
+            )
+    for page, name in marked.write(TABLES, values=VALUES):
         print(f"wrote {name} into {page}", file=sys.stderr)
 
 

@@ -16,7 +16,7 @@ picks the grid up where the file leaves it.
 
 Everything below was written down before the first run of this grid (the grid of 2026-12-04,
 all `recompute`, at one learning rate, with eta 8 and 16 that never got past lag ~3, is in
-RESULTS.md as it was; nothing of it is reused).
+lab/archive.md as it was; nothing of it is reused).
 
 The runs. Each cell is `lesson.py --preset long --lr-schedule constant --eval-every 0` with the
 block's `--lr` and `--train-s`, the loss's flags, `--seed s` and `--eval-at` the block's budgets:
@@ -79,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
 from system.runlog import per_token, read_jsonl  # noqa: E402
-from sweep import interval, said, show_paired, verdict  # noqa: E402
+from stats import interval, mean_std, said, show_paired, verdict  # noqa: E402
 
 DATA = os.path.join(ROOT, "lab", "data", "frontier.jsonl")
 SEEDS, EXTRA_SEEDS = (0, 1, 2), (3, 4)
@@ -318,14 +318,14 @@ def block_table(data, block, loss):
     ]
     on = collections.Counter(r.get("processor", "?") for rs in rows.values() for r in rs)
     lines[0] += "; runs by processor: " + ", ".join(f"{n} on {p}" for p, n in sorted(on.items()))
-    fmt = lambda v, f="{:.3f}": f"{f.format(statistics.mean(v))} ± {f.format(statistics.stdev(v))}"
     pct = lambda rs, k, f="{:.1f}%": f.format(100 * statistics.mean(r[k] or 0 for r in rs))
     for (regime, eta), rs in rows.items():
         name = "sync" if regime == "sync" else f"{regime} eta {eta}"
         mean = lambda k, f: f.format(statistics.mean(r[k] for r in rs)) if all(r[k] is not None for r in rs) else "-"
         lines.append(
-            f"| {name} | " + " | ".join(fmt([r["acc"][t] for r in rs]) for t in ts)
-            + f" | {statistics.mean(r['steps'] for r in rs):.0f} | {fmt([r['steps_per_min'] for r in rs], '{:.1f}')}"
+            f"| {name} | " + " | ".join(mean_std([r["acc"][t] for r in rs], "{:.3f}") for t in ts)
+            + f" | {statistics.mean(r['steps'] for r in rs):.0f}"
+            f" | {mean_std([r['steps_per_min'] for r in rs], '{:.1f}')}"
             f" | {mean('lag_mean', '{:.2f}')} | {max(r['lag_max'] for r in rs)}"
             f" | {pct(rs, 'stale')} | {pct(rs, 'recomputed', '{:.0f}%')}"
             f" | {mean('ess', '{:.3f}')} | {mean('kl', '{:.1e}')} | {pct(rs, 'clipped')}"
@@ -385,42 +385,35 @@ def sides(data):
     return found, out
 
 
-def grid_says(data=None):
-    """The course's count of the grid's stale - recompute intervals: how many hold 0, each that does not."""
+def counts(data=None):
+    """What the pages say of the grid's stale - recompute intervals, each a value of VALUES: how many runs
+    and intervals, how many hold 0, and each that does not, by side; how many would exclude 0 by chance."""
     data = data or read_data()
     found, side = sides(data)
-    said_ = {
-        k: [
+    listed = {
+        k: "; ".join(
             f"{where(b, loss)}, eta {eta}, {float(t):g} s: {show_paired((m, lo, hi))}"
             + (f", {n} seeds" if n > len(SEEDS) else "")
             for b, loss, eta, t, m, lo, hi, n in v
-        ]
+        )
+        or "none"
         for k, v in side.items()
     }
-    up, down = said_["higher"], said_["lower"]
-    return (
-        f"What the grid says ({len(data['runs'])} runs; the tables in RESULTS). `stale` - `recompute` is "
-        f"{len(found)} intervals ({len({x[:2] for x in found})} blocks and losses x {len(ETAS)} etas x "
-        f"{len({x[3] for x in found if x[:2] == found[0][:2]})} budgets): "
-        f'{len(found) - len(up) - len(down)} hold 0 ("cannot tell"); {len(up)} favour `stale` '
-        f"({'; '.join(up) or 'none'}); {len(down)} favour `recompute` ({'; '.join(down) or 'none'}). "
-        f"About {round(0.05 * len(found))} of {len(found)} would exclude 0 by chance alone."
-    )
-
-
-def readme_says(data=None):
-    """The README's sentence on the grid, from the same count."""
-    data = data or read_data()
-    found, side = sides(data)
-    up, down = ([where(b, loss) for b, loss, *_ in side[k]] for k in ("higher", "lower"))
-    alike = lambda side: f" (all {side[0]})" if len(set(side)) == 1 and len(side) > 1 else ""  # noqa: E731
-    return (
-        f"- How far ahead (`lab/frontier.py`, {len(data['runs'])} runs, 3 seeds): at equal simulated time "
-        f"{len(found) - len(up) - len(down)} of {len(found)} `stale` - `recompute` intervals hold 0, {len(down)} "
-        f"favour `recompute`{alike(down)} and {len(up)} `stale`{alike(up)}; about {round(0.05 * len(found))} "
-        "would by chance. Which regime and eta to run: the "
-        "[decision table](docs/course.md#how-far-ahead-the-staleness-frontier)."
-    )
+    same = len(found) - len(side["higher"]) - len(side["lower"])
+    return {
+        "runs": str(len(data["runs"])),
+        "intervals": str(len(found)),
+        "pairs": str(len({x[:2] for x in found})),  # (block, loss) pairs
+        "etas": str(len(ETAS)),
+        "budgets": str(len({x[3] for x in found if x[:2] == found[0][:2]})),
+        "same": str(same),  # intervals that hold 0
+        "hold": f"{same} of {len(found)}",
+        "up": str(len(side["higher"])),  # favour stale
+        "up-list": listed["higher"],
+        "down": str(len(side["lower"])),  # favour recompute
+        "down-list": listed["lower"],
+        "luck": str(round(0.05 * len(found))),  # intervals that would exclude 0 by chance at 95%
+    }
 
 
 def tables(data):
@@ -473,9 +466,9 @@ def block_text(block, loss):
 
 TABLES = {f"frontier-{b}-{loss}": functools.partial(block_text, b, loss) for b, loss in ORDER} | {
     "frontier-decision": decision,
-    "frontier-intervals": grid_says,
-    "frontier-readme": readme_says,
 }
+COUNTED = "runs intervals pairs etas budgets same hold up up-list down down-list luck".split()  # counts()
+VALUES = {name: functools.partial(lambda name: counts()[name], name) for name in COUNTED}  # README's and course's
 
 
 def figure(data, path):
@@ -530,7 +523,7 @@ def main():
     if args.figure:
         print("figure:", figure(data, os.path.join(ROOT, "docs", "frontier.png")))
     print(tables(data) + "\n\n" + decision(data))
-    for page, name in marked.write(TABLES):
+    for page, name in marked.write(TABLES, values=VALUES):
         print(f"wrote {name} into {page}", file=sys.stderr)
 
 

@@ -1,20 +1,26 @@
 """
-Marked tables: every experimental table in README.md, docs/course.md and RESULTS.md is
+Marked tables and values: every experimental table in README.md, docs/course.md and RESULTS.md is
 written by one function, its builder, from a committed data file alone, between two lines:
 
     <!-- table: NAME -->
     (the builder's text)
     <!-- end -->
 
+and every number a sentence of the pages quotes from the data is a value, marked inside the
+sentence (the words around it are the page's own, edited there):
+
+    ... `stale` - `recompute` is <!--NAME-->-0.3 [-1.2, +0.6], cannot tell<!----> (5 seeds) ...
+
 An experiment tool appends one JSON line per run (or per row of seeds, where it says so) to
 lab/data/<tool>.jsonl, the data outliving the machine that ran it, and then rewrites every
-block of its tables in the pages. tests/test_marked.py rebuilds every block from the data and
-fails on a digit that differs, so a table cannot drift from its data, nor a copy from its
-original. A tool registers its tables with a TABLES dict, {NAME: builder}, each builder a
-function of no arguments that reads lab/data/<tool>.jsonl; adding a tool is its name in TOOLS.
+block and value of its own in the pages. tests/test_marked.py rebuilds every block and value from
+the data and fails on a digit that differs, so neither can drift from its data, nor a copy from its
+original. A tool registers its tables with a TABLES dict and its values with a VALUES dict,
+{NAME: builder}, each builder a function of no arguments that reads lab/data/<tool>.jsonl (a
+value's: one short line); adding a tool is its name in TOOLS.
 
-    .venv/bin/python lab/marked.py            # every marked block of the pages, and its builder's tool
-    .venv/bin/python lab/marked.py --write    # rewrite every block from the data (what each tool does)
+    .venv/bin/python lab/marked.py            # every marked block and value of the pages, and its builder's tool
+    .venv/bin/python lab/marked.py --write    # rewrite every block and value from the data (what each tool does)
 """
 
 import argparse
@@ -30,15 +36,22 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PAGES = ("README.md", "docs/course.md", "lab/RESULTS.md")
-# tools/<name>.py (lab/study.py: at the root), each with TABLES; its data is lab/data/<name>.jsonl
+# lab/<name>.py, each with TABLES (and VALUES, if its numbers stand in sentences); its data is lab/data/<name>.jsonl
 TOOLS = ("course", "stress", "frontier", "sweep", "study")
 # a block: its opening line, its text (lines, possibly none), its closing line
 BLOCK = re.compile(r"^<!-- table: ([\w.-]+) -->\n(.*?)^<!-- end -->$", re.M | re.S)
+# a value: its name in an HTML comment, its text (within one line), an empty comment (short: the README counts them)
+VALUE = re.compile(r"<!--([\w.]+(?:-[\w.]+)*)-->(.*?)<!---->")
 
 
 def blocks(text):
     """[(name, its text)] for every marked block of a page's text, in order."""
     return [(m.group(1), m.group(2).removesuffix("\n")) for m in BLOCK.finditer(text)]
+
+
+def values(text):
+    """[(name, its text)] for every marked value of a page's text, in order."""
+    return [(m.group(1), m.group(2)) for m in VALUE.finditer(text)]
 
 
 def replace(text, name, body):
@@ -48,6 +61,13 @@ def replace(text, name, body):
     return BLOCK.sub(
         lambda m: m.group(0) if m.group(1) != name else f"<!-- table: {name} -->\n{body}\n<!-- end -->", text
     )
+
+
+def replace_value(text, name, body):
+    """The page's text with every value called `name` reading `body`, one short line (ValueError otherwise)."""
+    if "\n" in body or "<!--" in body:
+        raise ValueError(f"value '{name}' must be one line without a comment: {body!r}")
+    return VALUE.sub(lambda m: m.group(0) if m.group(1) != name else f"<!--{name}-->{body}<!---->", text)
 
 
 def data_path(tool):
@@ -69,14 +89,19 @@ def append(tool, line):
         f.write(json.dumps(line, sort_keys=True) + "\n")
 
 
-def registry():
-    """NAME -> (tool, builder), over every tool in TOOLS (a name registered twice is an error)."""
-    out = {}
+def registry(kind="TABLES"):
+    """NAME -> (tool, builder) of every tool in TOOLS, its TABLES or its VALUES (a name registered twice,
+    as tables or values, is an error)."""
+    out, seen = {}, {}
     for tool in TOOLS:
-        for name, build in importlib.import_module(tool).TABLES.items():
-            if name in out:
-                raise ValueError(f"table '{name}' registered by {out[name][0]} and {tool}")
-            out[name] = (tool, build)
+        module = importlib.import_module(tool)
+        for k in ("TABLES", "VALUES"):
+            for name, build in getattr(module, k, {}).items():
+                if name in seen:
+                    raise ValueError(f"'{name}' registered by {seen[name]} and {tool}")
+                seen[name] = tool
+                if k == kind:
+                    out[name] = (tool, build)
     return out
 
 
@@ -108,14 +133,15 @@ def processor():
     return f"{info.get('vendor_id', '?')} family {info.get('cpu family', '?')} model {info.get('model', '?')}"
 
 
-def builders():
-    """NAME -> builder, over every tool in TOOLS."""
-    return {name: build for name, (_, build) in registry().items()}
+def builders(kind="TABLES"):
+    """NAME -> builder, over every tool in TOOLS: the tables' ("TABLES") or the values' ("VALUES")."""
+    return {name: build for name, (_, build) in registry(kind).items()}
 
 
-def write(tables, pages=PAGES, root=ROOT):
-    """Rewrite every block of `tables` ({NAME: builder}) in the pages; returns [(page, NAME)] written."""
-    done = []
+def write(tables, values=None, pages=PAGES, root=ROOT):
+    """Rewrite every block of `tables` and every value of `values` ({NAME: builder}) in the pages;
+    returns [(page, NAME)] written."""
+    done, values = [], values or {}
     for page in pages:
         path = os.path.join(root, page)
         text = open(path).read()
@@ -124,6 +150,9 @@ def write(tables, pages=PAGES, root=ROOT):
             if name in tables:
                 new = replace(new, name, tables[name]())
                 done.append((page, name))
+        for name in dict.fromkeys(name for name, _ in VALUE.findall(new) if name in values):
+            new = replace_value(new, name, values[name]())
+            done.append((page, name))
         if new != text:
             open(path, "w").write(new)
     return done
@@ -131,7 +160,8 @@ def write(tables, pages=PAGES, root=ROOT):
 
 def differences(root=ROOT):
     """Every way the pages under `root` differ from the data: a block whose text is not its builder's
-    (named with the first line that differs), a block with no builder, a builder with no block."""
+    (named with the first line that differs), a block with no builder, a builder with no block; and
+    the same of values."""
     tables, seen, out = builders(), set(), []
     for page in PAGES:
         for name, body in blocks(open(os.path.join(root, page)).read()):
@@ -150,22 +180,34 @@ def differences(root=ROOT):
                 if len(body.splitlines()) != len(built):
                     out.append(f"{page}: table '{name}': {len(body.splitlines())} lines, the data give {len(built)}")
     out += [f"table '{name}' has a builder and no block in {', '.join(PAGES)}" for name in tables if name not in seen]
+    quoted, seen = builders("VALUES"), set()
+    for page in PAGES:
+        for name, body in values(open(os.path.join(root, page)).read()):
+            seen.add(name)
+            if name not in quoted:
+                out.append(f"{page}: value '{name}' has no builder (no tool's VALUES holds it)")
+            elif body != (built := quoted[name]()):
+                out.append(f"{page}: value '{name}': the page has {body!r}, the data give {built!r}")
+    out += [f"value '{name}' has a builder and no place in {', '.join(PAGES)}" for name in quoted if name not in seen]
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--write", action="store_true", help="rewrite every marked block from the committed data")
+    p.add_argument("--write", action="store_true", help="rewrite every marked block and value from the committed data")
     args = p.parse_args()
     if args.write:
-        for page, name in write(builders()):
+        for page, name in write(builders(), builders("VALUES")):
             print(f"{page}: {name}")
         return
-    registered = registry()
+    tables, quoted = registry(), registry("VALUES")
     for page in PAGES:
-        for name, body in blocks(open(os.path.join(ROOT, page)).read()):
-            owner = registered[name][0] if name in registered else "NO BUILDER"
+        text = open(os.path.join(ROOT, page)).read()
+        for name, body in blocks(text):
+            owner = tables[name][0] if name in tables else "NO BUILDER"
             print(f"{page}: {name} ({len(body.splitlines())} lines; {owner})")
+        for name, body in values(text):
+            print(f"{page}: value {name} = {body!r} ({quoted[name][0] if name in quoted else 'NO BUILDER'})")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ The losses are those grpo.LOSSES held then (HOLDS_LOSSES): `m2po-authors`, added
 Tables: final pass@1 at equal steps (every run takes the preset's steps) and at equal simulated
 time (the earliest end among the runs compared: each run's last evaluation at or before it),
 each against the reference row as a paired difference (mean, 95% t interval over seeds;
-lab/sweep.py's t_interval). Each row's numbers (over its seeds, with each seed's final pass@1 and
+lab/stats.py). Each row's numbers (over its seeds, with each seed's final pass@1 and
 answers.jsonl md5) go onto lab/data/stress.jsonl, committed, and the course's table (TABLES) is built
 from those lines alone and written into docs/course.md between its markers (lab/marked.py); so are
 RESULTS.md's stress tables, whose lines were copied from RESULTS.md (each says "source" and its batch).
@@ -52,11 +52,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import marked  # noqa: E402
 from course import finished  # noqa: E402
 from system.runlog import per_token, read_jsonl  # noqa: E402
-from sweep import show_paired, t_interval, verdict  # noqa: E402
+from stats import paired_t, show_paired, show_spread, spread, verdict  # noqa: E402
 
 SEEDS = (0, 1, 2)
 HOLDS_LOSSES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po")  # stage 2's: grpo.LOSSES at issue 50
-# the long preset cut to 40 steps (every regime has reached its plateau by step ~40, RESULTS.md), pass@1 every
+# the long preset cut to 40 steps (every regime has reached its plateau by step ~40, lab/archive.md), pass@1 every
 # 10 steps for the learning curves: ~3 minutes a run on one core
 BASE = ("--preset", "long", "--steps", "40", "--eval-every", "10")
 SETTINGS = [  # (label, lesson.py flags), from the least off-policy to the most
@@ -152,26 +152,6 @@ def at_time(curve, t):
     return [acc for _, wall, acc in curve if wall <= t + 1e-9][-1]
 
 
-def paired(a, b):
-    """a - b over seeds (lists in seed order), in points: [mean, low, high] by the t interval, [mean] without one."""
-    d = [100 * (x - y) for x, y in zip(a, b)]
-    return [statistics.mean(d), *(t_interval(d) or ())]
-
-
-def paired_t(a, b):
-    """a - b over seeds: 'mean [low, high]' in points."""
-    return show_paired(paired(a, b))
-
-
-def spread(values):
-    """[mean, sample std] over seeds, [value] for one."""
-    return [statistics.mean(values), statistics.stdev(values)] if len(values) > 1 else [values[0]]
-
-
-def ms(values, fmt="{:.3f}"):
-    return " ± ".join(fmt.format(v) for v in values)
-
-
 KEY = ("batch", "stage", "setting", "label", "loss_agg")  # a row of the data file: the last line with these wins
 
 
@@ -190,7 +170,7 @@ def summarise(stage, setting, rows, reference):
         vs = {}
         if label != reference:
             finals = [r["final"] for r in runs[:n]], [r["final"] for r in ref[:n]]
-            vs[reference] = dict(final=paired(*finals), at=paired(at(runs[:n]), at(ref[:n])))
+            vs[reference] = dict(final=paired_t(*finals), at=paired_t(at(runs[:n]), at(ref[:n])))
         lines.append(
             dict(
                 batch=None,  # a fresh run's; the lines copied from RESULTS.md name theirs
@@ -253,9 +233,10 @@ def table(title, lines, reference):
         vs = s["vs"].get(reference)
         out.append(
             f"| {s['setting'] + ': ' if s['stage'] == 'pilot' else ''}{s['label']} | {len(s['seeds'])} "
-            f"| {ms(s['final'])} | {show_paired(vs['final']) if vs else '-'} "
-            f"| {ms(s['at_s'][t])} | {show_paired(vs['at']) if vs else '-'} "
-            f"| {ms(s['steps_per_min'], '{:.1f}')} | {100 * s['stale']:.1f}% | {s['lag']:.2f} | {s['ess']:.4f} "
+            f"| {show_spread(s['final'])} | {show_paired(vs['final']) if vs else '-'} "
+            f"| {show_spread(s['at_s'][t])} | {show_paired(vs['at']) if vs else '-'} "
+            f"| {show_spread(s['steps_per_min'], '{:.1f}')} | {100 * s['stale']:.1f}% | {s['lag']:.2f} "
+            f"| {s['ess']:.4f} "
             f"| {100 * s['clipped']:.2f}% | {s['kl']:.1e} / {s['kl_last']:.1e} | {s['reward']:.3f} "
             f"| {100 * s['finished']:.1f}% | " + (f"{s['runtime']:.0f} |" if s["runtime"] else "|")
         )
@@ -290,7 +271,7 @@ def course_losses():
         "|---" * 7 + "|",
     ]
     for shown, s in lines:
-        final, vs = ms(s["final"]), s["vs"].get("stale none")
+        final, vs = show_spread(s["final"]), s["vs"].get("stale none")
         out.append(
             f"| {shown} | {f'**{final}**' if s['final'][0] == best else final} "
             f"| {show_paired(vs['final']) if vs else ''} "
@@ -299,23 +280,31 @@ def course_losses():
     return "\n".join(out)
 
 
-def readme_says():
-    """The README's sentence: the naive loss where the pilot's rule found it broken, and where it did not."""
-    calm, hit = (last(batch="issue 40", stage="pilot", setting=x, label="stale none") for x in (SETTINGS[0][0], STRESS))
-    sync = last(batch="issue 40", stage="pilot", setting=STRESS, label="sync none")
-    d = calm["vs"]["sync none"]["final"]
-    return (
-        f"- When lag bites (`lab/stress.py`, {len(hit['seeds'])} seeds): at `{STRESS}` (lag {hit['lag']:.1f}), "
-        f"`stale --loss none` ends at {hit['final'][0]:.2f} pass@1 where `sync` reaches {sync['final'][0]:.2f} "
-        f"({show_paired(hit['vs']['sync none']['final'])} points); the corrections recover part of it ([each with "
-        "its interval](docs/course.md#when-lag-bites-the-stress-experiment)). At the long preset's own setting, "
-        f"{show_paired(d)}: {verdict(d[1], d[2])}."
-    )
+def pilot_line(setting, label):
+    """The pilot's line (batch issue 40) of one setting and row: what the README quotes."""
+    return last(batch="issue 40", stage="pilot", setting=setting, label=label)
+
+
+def vs_sync(setting):
+    """stale none - sync none at a pilot setting, final pass@1 in points: [mean, low, high]."""
+    return pilot_line(setting, "stale none")["vs"]["sync none"]["final"]
+
+
+def calm():
+    """vs_sync at the long preset's own setting, and what its interval lets the README say."""
+    d = vs_sync(SETTINGS[0][0])
+    return f"{show_paired(d)}: {verdict(d[1], d[2])}"
 
 
 STRESS = SETTINGS[1][0]
+VALUES = {  # the README's sentence: the naive loss where the pilot's rule found it broken, and where it did not
+    "lag": lambda: f"{pilot_line(STRESS, 'stale none')['lag']:.1f}",
+    "naive": lambda: f"{pilot_line(STRESS, 'stale none')['final'][0]:.2f}",  # stale none's final pass@1
+    "sync": lambda: f"{pilot_line(STRESS, 'sync none')['final'][0]:.2f}",
+    "gap": lambda: show_paired(vs_sync(STRESS)),
+    "calm": calm,
+}
 TABLES = {
-    "stress-readme": readme_says,
     "stress-losses": course_losses,
     "stress-pilot-long": lambda: archived("issue 40", "pilot", "long preset", ["stale none", "sync none"], "sync none"),
     "stress-pilot-lag8": lambda: archived("issue 40", "pilot", STRESS, ["stale none", "sync none"], "sync none"),
@@ -359,11 +348,11 @@ def pilot(out, jobs, table_only):
         lines = summarise("pilot", label, rows, "sync none")
         keep(lines)
         tables.append(table(f"**pilot: {label}** (`{' '.join(flags) or 'the preset as it is'}`)", lines, "sync none"))
-        d = [100 * (a["final"] - b["final"]) for a, b in zip(rows[0][2], rows[1][2])]
-        breaks = t_interval(d)[1] < 0
+        m, lo, hi = paired_t(*([r["final"] for r in runs] for _, _, runs in rows))  # stale none - sync none
+        breaks = hi < 0
         tables.append(
-            f"rule: stale none - sync none = {statistics.mean(d):+.1f} points, t interval "
-            f"[{t_interval(d)[0]:+.1f}, {t_interval(d)[1]:+.1f}]: " + ("breaks" if breaks else "holds")
+            f"rule: stale none - sync none = {m:+.1f} points, t interval [{lo:+.1f}, {hi:+.1f}]: "
+            + ("breaks" if breaks else "holds")
         )
         if breaks:
             chosen = (label, flags)
@@ -401,11 +390,15 @@ def holds(out, setting, jobs, table_only):
     runs = dict(rows2)
     kv = [
         f"stale KV against rebuilt KV, {name}: stale - recompute = "
-        + paired_t([r["final"] for r in runs[f"stale {name}"]], [r["final"] for r in runs[f"recompute {name}"]])
+        + show_paired(
+            paired_t([r["final"] for r in runs[f"stale {name}"]], [r["final"] for r in runs[f"recompute {name}"]])
+        )
         + " points at equal steps, "
-        + paired_t(
-            [at_time(r["curve"], t) for r in runs[f"stale {name}"]],
-            [at_time(r["curve"], t) for r in runs[f"recompute {name}"]],
+        + show_paired(
+            paired_t(
+                [at_time(r["curve"], t) for r in runs[f"stale {name}"]],
+                [at_time(r["curve"], t) for r in runs[f"recompute {name}"]],
+            )
         )
         + f" at {t:.0f} s"
         for name in (best, "none")
@@ -442,7 +435,7 @@ def main():
         sys.exit("stress.py: the pilot has not finished, so no setting is chosen yet: run `lab/stress.py pilot` first")
     if "holds" in args.stages:
         print("\n\n".join(holds(args.out, setting, args.jobs, args.table_only)) + "\n", flush=True)
-    for page, name in marked.write(TABLES):
+    for page, name in marked.write(TABLES, values=VALUES):
         print(f"wrote {name} into {page}", file=sys.stderr)
     if args.figure:
         from plot import plot_curves

@@ -60,11 +60,12 @@ from system.runlog import per_token, read_jsonl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import marked  # noqa: E402
+from stats import interval, mean_std, said, show_paired, t_interval, verdict  # noqa: E402
 
 # Target eval accuracy per preset, for the "s to target" column and the dashed line, chosen
 # before the sweep: halfway from the start to the end of pilot sync runs of the preset
 # (default: 0.578 -> 0.758, one run; long: 0.469 -> 0.626, the mean of sync seeds 0-2 from
-# the step-400 tiny-long; RESULTS.md). Earlier long presets' sweeps used 0.44 and 0.61.
+# the step-400 tiny-long; lab/archive.md). Earlier long presets' sweeps used 0.44 and 0.61.
 TARGETS = {"default": 0.67, "long": 0.55}
 
 REGIMES = ["sync", "drain", "discard", "stale", "recompute"]
@@ -207,55 +208,6 @@ def paired(rows, a, b, value):
     rng = random.Random(0)
     means = sorted(statistics.mean(rng.choices(d, k=len(d))) for _ in range(10000))
     return statistics.mean(d), (means[249], means[9749]), len(d)
-
-
-# t(0.975, df), df = seeds - 1: the paired t-test's quantiles (a table: the project does not
-# depend on scipy, and sweeps have 2-11 seeds)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-# t(0.80, df): with T975, the difference a paired test of these seeds detects with 80% power
-T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
-
-
-def t_interval(d):
-    """The paired differences d's 95% interval by a paired t-test, mean ± t * sd / sqrt(n) (interval's):
-    a second opinion beside the bootstrap, which is narrow on few seeds. None outside 2-11 seeds."""
-    return interval(d)[1:3] if 2 <= len(d) <= len(T975) + 1 else None
-
-
-def interval(d):
-    """(mean, low, high, detectable at 80% power) of paired differences d, in points; None bounds with < 2."""
-    m = statistics.mean(d)
-    if len(d) < 2:
-        return m, None, None, None
-    se = statistics.stdev(d) / len(d) ** 0.5
-    return m, m - T975[len(d) - 1] * se, m + T975[len(d) - 1] * se, (T975[len(d) - 1] + T80[len(d) - 1]) * se
-
-
-def show_paired(d):
-    """(mean, low, high) in points as the pages write it, 'mean [low, high]'; (mean,) alone as the mean."""
-    return f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]" if len(d) == 3 else f"{d[0]:+.1f}"
-
-
-def said(d):
-    """A paired difference as the write-up says it: mean [low, high], and 'cannot tell' where the interval holds 0."""
-    m, lo, hi, power = interval(d)
-    if lo is None:
-        return f"{m:+.1f} (one seed)"
-    return f"{show_paired((m, lo, hi))} {verdict(lo, hi)}; 80%: {power:.1f}"
-
-
-def verdict(lo, hi):
-    """What an interval lets the write-up say: 'cannot tell' where it holds 0."""
-    return "cannot tell" if lo <= 0 <= hi else ("higher" if lo > 0 else "lower")
-
-
-def mean_std(values, fmt):
-    """'m ± s' over seeds (sample std), or just the value for one seed."""
-    if len(values) == 1:
-        return fmt.format(values[0])
-    return f"{fmt.format(statistics.mean(values))} ± {fmt.replace('+', '').format(statistics.stdev(values))}"
 
 
 def columns(rows, target):
@@ -433,7 +385,7 @@ def analysis(rows, target):
     claims += [
         ("final pass@1: stale - recompute", ("stale", "fifo"), ("recompute", "fifo"), lambda r: r["acc1"], "{:+.3f}")
     ]
-    # does the main job still learn as sync does? (RESULTS.md, "Does it learn?": every regime against sync)
+    # does the main job still learn as sync does? (lab/archive.md, "Does it learn?": every regime against sync)
     claims += [
         (f"final pass@1: {x} - sync", (x, "fifo"), ("sync", "fifo"), lambda r: r["acc1"], "{:+.3f}")
         for x in REGIMES[1:]
@@ -492,7 +444,7 @@ def analysis(rows, target):
                 ),
             ]
             # every regime plateaus near sync's final accuracy, so whether a run reaches it is
-            # close to chance (RESULTS.md); the target, where the curves still climb, separates them
+            # close to chance (lab/archive.md); the target, where the curves still climb, separates them
             if target is not None:
                 claims += [
                     (
@@ -556,7 +508,7 @@ def record(rows, name, preset, tree=ROOT):
         line = dict({k: r[k] for k in KEPT}, sweep=name, preset=preset, eval_n=r["cfg"]["eval_n"], **where)
         line.update(right=round(r["acc1"] * line["eval_n"]))
         marked.record("sweep", line, key=["sweep", "regime", "pool", "seed"])
-    for page, table in marked.write(TABLES):
+    for page, table in marked.write(TABLES, values=VALUES):
         print(f"wrote table {table} in {page}")
 
 
@@ -599,24 +551,21 @@ def finals_table():
     )
 
 
-def readme_sentence():
-    """The README's sentence: the quoted comparisons, each no stronger than its interval, and the
-    long preset's steps per minute, stale over drain (their means over the seeds)."""
-    (level, cost) = (difference(*q) for q in QUOTED)
-    (lv, cv) = (interval(d)[:3] for d in (level, cost))  # (mean, low, high)
-    short = lambda m, lo, hi: f"{show_paired((m, lo, hi))}, {verdict(lo, hi)}"  # noqa: E731
-    cost_said = short(*cv) + (": asynchrony cost a little there" if verdict(*cv[1:]) == "lower" else "")
+def quoted(i):
+    """The i-th quoted comparison as the README says it: 'mean [low, high], verdict', in points."""
+    m, lo, hi, _ = interval(difference(*QUOTED[i]))
+    return f"{show_paired((m, lo, hi))}, {verdict(lo, hi)}"
+
+
+def pace():
+    """The long preset's steps per minute, stale over drain (their means over the quoted sweep's seeds)."""
     runs = recorded(QUOTED[0][0]).values()
     speed = {x: statistics.mean(r["steps_per_min"] for r in runs if r["regime"] == x) for x in ("stale", "drain")}
-    return (
-        f"- In `train.py`, final pass@1: on the long preset `stale` - `recompute` is {short(*lv)} "
-        f"({len(level)} seeds), and `stale` took {speed['stale'] / speed['drain']:.2f}x `drain`'s steps per minute "
-        f"(two processes sharing 2 cores); on the default preset `recompute` - `sync` is {cost_said} ({len(cost)} "
-        "seeds; [both](lab/RESULTS.md#trainpys-sweeps-in-the-data-file))."
-    )
+    return f"{speed['stale'] / speed['drain']:.2f}x"
 
 
-TABLES = {"sweep-finals": finals_table, "sweep-readme": readme_sentence}
+TABLES = {"sweep-finals": finals_table}
+VALUES = {"t-level": lambda: quoted(0), "t-pace": pace, "t-cost": lambda: quoted(1)}  # the README's train.py sentence
 
 
 # -----------------------------------------------------------------------------

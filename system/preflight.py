@@ -171,7 +171,7 @@ def engine_plan(config, dtype_bytes=2, ahead_bytes=PUSH_AHEAD_BYTES, on_cpu=Fals
     weight for oneDNN (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py)
     while the old packing is still held. Plus PUSH_SMALL_BYTES: oneDNN's scratch while it
     packs, and small received tensors vLLM's loader still references. Measured as the
-    generator's live heap on CPU (bench_sync; RESULTS.md, "Posted sends"): 192 MiB model,
+    generator's live heap on CPU (bench_sync; lab/archive.md, "Posted sends"): 192 MiB model,
     gate+up 12 MiB, every push's peak 36.5 / 46.3 / 94.3 MiB with 0 / 16 / 64 MiB ahead,
     against this plan's 37 / 53 / 101. (Before issue 36: a whole second copy of the model.)"""
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size

@@ -206,11 +206,22 @@ def test_frontier_says_intervals_and_power_by_hand():
     """d = 1, 2, 3 points: mean 2, sd 1, se 1/sqrt(3) = 0.5774; the 95% interval 2 ± 4.303 x
     0.5774 = 2 ± 2.48 = [-0.5, +4.5] holds 0: "cannot tell"; the difference 3 seeds detect with 80% power
     is (4.303 + 1.061) x 0.5774 = 3.1 (not the half-width, 2.5). d = 4, 5, 6: [+2.5, +7.5], above 0."""
-    from lab.frontier import said
+    from lab.stats import said
 
     assert said([1, 2, 3]) == "+2.0 [-0.5, +4.5] cannot tell; 80%: 3.1"
     assert said([4, 5, 6]) == "+5.0 [+2.5, +7.5] higher; 80%: 3.1"
     assert said([-6, -5, -4]) == "-5.0 [-7.5, -2.5] lower; 80%: 3.1"
+
+
+def test_stress_pairs_and_spreads_by_hand():
+    """lab/stats.py as the stress tables use it: a - b per seed in points, 25, 0, 12.5 (mean 12.5, sd 12.5), its
+    t interval 12.5 ± 4.303 x 12.5 / sqrt(3) = [-18.6, +43.6]; one seed, the mean alone; 'mean ± sd' without
+    the sign on the sd, and one value as it is."""
+    from lab.stats import mean_std, paired_t, show_paired
+
+    assert show_paired(paired_t([0.75, 0.5, 0.625], [0.5, 0.5, 0.5])) == "+12.5 [-18.6, +43.6]"
+    assert paired_t([0.75], [0.5]) == [25.0] and show_paired([25.0]) == "+25.0"
+    assert mean_std([0.5, 0.75], "{:+.3f}") == "+0.625 ± 0.177" and mean_std([0.5], "{:.3f}") == "0.500"
 
 
 def test_frontier_tables_come_from_the_data_file_alone(tmp_path):
@@ -234,14 +245,14 @@ def test_record_keeps_each_run_once_and_the_quoted_difference_is_paired(tmp_path
     marked = sweep.marked  # the module sweep writes through (tools/ on its path: not tools.marked)
     monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
     written = []
-    monkeypatch.setattr(marked, "write", lambda tables, **kw: written.append(sorted(tables)) or [])
+    monkeypatch.setattr(marked, "write", lambda tables, values, **kw: written.append(sorted(tables | values)) or [])
     run = {k: 0.0 for k in sweep.KEPT} | dict(pool="fifo", cfg=dict(eval_n=16))
     finals = {("stale", 0): 0.75, ("stale", 1): 0.5, ("stale", 2): 0.25, ("sync", 0): 0.5, ("sync", 1): 0.5}
     rows = [run | dict(regime=r, seed=s, acc1=v) for (r, s), v in finals.items()]
     sweep.record(rows, "t", "default")
     sweep.record(rows, "t", "default")
     lines = [json.loads(x) for x in open(tmp_path / "sweep.jsonl")]
-    assert len(lines) == 5 and written == [["sweep-finals", "sweep-readme"]] * 2
+    assert len(lines) == 5 and written == [["sweep-finals", "t-cost", "t-level", "t-pace"]] * 2
     assert [x["right"] for x in lines] == [12, 8, 4, 8, 8] and {x["sweep"] for x in lines} == {"t"}
     assert sweep.difference("t", "stale", "sync") == [25.0, 0.0]
 
@@ -250,7 +261,7 @@ def test_frontier_counts_its_intervals_by_hand():
     """The course's and the README's count of stale - recompute intervals, on one block of made-up
     runs at one budget: at eta 1 stale leads by 10, 9, 8 points (an interval above 0); at eta 2 it
     trails by 10, 9, 8; at eta 4 and 8 the differences are +1, -1, 0 (intervals holding 0)."""
-    from lab.frontier import cell_name, grid_says, readme_says
+    from lab.frontier import cell_name, counts
 
     block, loss = "gen-slower-lr-x4", "ppo"
     runs = {}
@@ -258,10 +269,9 @@ def test_frontier_counts_its_intervals_by_hand():
         for seed, x in enumerate(d):
             for regime, acc in (("stale", 0.5 + x / 100), ("recompute", 0.5)):
                 runs[cell_name(block, loss, regime, eta, seed)] = dict(acc={"10.0": acc})
-    data = dict(budgets={block: [10.0]}, runs=runs)
-    said = grid_says(data)
-    assert "is 4 intervals (1 blocks and losses x 4 etas x 1 budgets): 2 hold 0" in said, said
-    assert "1 favour `stale` (`ppo` at 4x the rate, generation the slower side, eta 1, 10 s: +9.0 [" in said, said
-    assert "1 favour `recompute` (`ppo` at 4x the rate, generation the slower side, eta 2, 10 s: -9.0 [" in said
-    assert "(24 runs;" in said and "About 0 of 4 would exclude 0 by chance" in said, said
-    assert "2 of 4 `stale` - `recompute` intervals hold 0, 1 favour `recompute` and 1 `stale`;" in readme_says(data)
+    said = counts(dict(budgets={block: [10.0]}, runs=runs))
+    assert said["runs"] == "24" and said["intervals"] == "4" and said["pairs"] == "1" and said["budgets"] == "1", said
+    assert said["same"] == "2" and said["hold"] == "2 of 4" and said["up"] == said["down"] == "1", said
+    assert said["up-list"].startswith("`ppo` at 4x the rate, generation the slower side, eta 1, 10 s: +9.0 ["), said
+    assert said["down-list"].startswith("`ppo` at 4x the rate, generation the slower side, eta 2, 10 s: -9.0 [")
+    assert said["luck"] == "0", said  # 5% of 4 intervals

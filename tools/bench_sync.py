@@ -21,7 +21,7 @@ ratio misses its target (or a push's memory its plan), so a regression shows whe
    CPU the bytes malloc has handed out and not had back (glibc's mallinfo2), on a GPU
    torch's allocated CUDA memory; each push's peak above where it stood before it, against
    preflight.engine_plan, which a push must stay within. The process's resident memory is
-   printed beside it, not checked: it is where glibc's heap happens to stand (RESULTS.md).
+   printed beside it, not checked: it is where glibc's heap happens to stand (lab/archive.md).
 2. generation: system/generator.py's step loop (one engine.step() at a time, per-token
    bookkeeping) vs vLLM's own LLM.generate on the same prompts and sampling settings.
 3. provenance (--only provenance): the step loop with the per-answer record
@@ -45,7 +45,7 @@ from system.preflight import PUSH_AHEAD_BYTES  # noqa: E402  (imports neither to
 # (system.push.WeightReceiver), so the trainer waits for the load only where the engine falls
 # that far behind: 0.9x a raw broadcast when the engine received everything into a copy it
 # kept; 1.75-2.3x when it received each tensor only once the loader had loaded the previous
-# one (RESULTS.md, "Receive buffers"); 1.59x with 64 MiB ahead ("Run-ahead receive")
+# one (lab/archive.md, "Receive buffers"); 1.59x with 64 MiB ahead ("Run-ahead receive")
 SYNC_TARGET, GENERATE_TARGET = 1.2, 0.95
 
 

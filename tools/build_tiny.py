@@ -20,7 +20,7 @@ changing either means shipping a new build (copy it to weights/<name>).
 tiny-long, the long preset's warm start, is the same model taught 1-12 operations
 and stopped half-way through learning to chain them: its supervised loss falls from
 ~0.25 to ~0.05 between steps ~350 and ~500 of a 900-step schedule, and at step 400
-it chains 2 operations 90% of the time, 3 only 27% and 4 only 9% (RESULTS.md). RL then
+it chains 2 operations 90% of the time, 3 only 27% and 4 only 9% (lab/archive.md). RL then
 has a half-learned skill to sharpen; from a model that has finished the jump, or has
 not started it, it barely moves the long-tailed mix (step 450, the warm start until
 2026-12-02, gained 6 points less).
@@ -59,7 +59,7 @@ RECIPE = dict(
 )
 RECIPES = {  # --model NAME: the supervised phase of each, stop_at steps into its sft_steps-step lr schedule
     "tiny": RECIPE,
-    "tiny-long": dict(RECIPE, max_steps=12, sft_steps=900, stop_at=400),  # stop_at 450 until 2026-12-02 (RESULTS.md)
+    "tiny-long": dict(RECIPE, max_steps=12, sft_steps=900, stop_at=400),  # 450 until 2026-12-02 (lab/archive.md)
 }
 EOS = "<|endoftext|>"
 

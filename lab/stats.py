@@ -3,22 +3,54 @@ The statistics the lab's tools share, each once: a paired difference over seeds,
 interval, the difference the seeds would detect with 80% power, the verdict an interval allows,
 and how the pages write them ('mean [low, high]', 'mean ± sd'). The experiments pair by seed:
 the same seed samples the same problems, so a - b seed by seed removes what the seeds share.
+And the equivalence test (tost) with its power. t quantiles from scipy.
 """
 
 import statistics
 
-# t(0.975, df), df = seeds - 1: the paired t-test's quantiles (a table: the project does not
-# depend on scipy, and the experiments have 2-11 seeds)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+from scipy.stats import t as student_t
 
-# t(0.80, df): with T975, the difference a paired test of these seeds detects with 80% power
-T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
+
+def t(p, df):
+    """Student's t quantile: P(T <= t) = p with df degrees of freedom (seeds - 1)."""
+    return float(student_t.ppf(p, df))
 
 
 def detectable(sd, n):
     """The difference n paired seeds of spread sd detect with 80% power at 95%: (t_.975 + t_.80) x sd / sqrt(n)
     (the interval's half-width alone is found only about half the time)."""
-    return (T975[n - 1] + T80[n - 1]) * (sd / n**0.5)
+    return (t(0.975, n - 1) + t(0.80, n - 1)) * (sd / n**0.5)
+
+
+def tost_detectable(sd, n):
+    """The margin two one-sided tests at 0.05 confirm with 80% power when the true difference is 0:
+    (t_.95 + t_.90) x sd / sqrt(n)."""
+    return (t(0.95, n - 1) + t(0.90, n - 1)) * (sd / n**0.5)
+
+
+def pooled_sd(groups):
+    """The sd of several groups of differences pooled: their variances weighted by their degrees of freedom."""
+    groups = [g for g in groups if len(g) > 1]
+    df = sum(len(g) - 1 for g in groups)
+    return (sum((len(g) - 1) * statistics.variance(g) for g in groups) / df) ** 0.5
+
+
+def tost(d, margin, alpha=0.05, tests=1):
+    """Two one-sided tests of paired differences d against +-margin: "equivalent" when the 1 - 2 alpha
+    t interval lies inside (-margin, margin); else "a cost" ("a gain") when the 1 - alpha/tests interval
+    (two-sided, Bonferroni over `tests`) lies below (above) 0; else "cannot conclude"."""
+    n, m = len(d), statistics.mean(d)
+    se = statistics.stdev(d) / n**0.5
+    low90, high90 = m - t(1 - alpha, n - 1) * se, m + t(1 - alpha, n - 1) * se
+    low, high = m - t(1 - alpha / (2 * tests), n - 1) * se, m + t(1 - alpha / (2 * tests), n - 1) * se
+    if -margin < low90 and high90 < margin:
+        said = f"equivalent within +-{margin:g}"
+    elif high < 0 or low > 0:
+        level = f"{1 - alpha / tests:.2%}"
+        said = f"a {'cost' if high < 0 else 'gain'} of {abs(m):.1f} points ({level} [{low:+.1f}, {high:+.1f}])"
+    else:
+        said = "cannot conclude"
+    return dict(mean=m, low90=low90, high90=high90, low=low, high=high, verdict=said)
 
 
 def interval(d):
@@ -28,13 +60,13 @@ def interval(d):
         return m, None, None, None
     sd = statistics.stdev(d)
     se = sd / len(d) ** 0.5
-    return m, m - T975[len(d) - 1] * se, m + T975[len(d) - 1] * se, detectable(sd, len(d))
+    return m, m - t(0.975, len(d) - 1) * se, m + t(0.975, len(d) - 1) * se, detectable(sd, len(d))
 
 
 def t_interval(d):
     """The paired differences d's 95% interval by a paired t-test, mean ± t * sd / sqrt(n) (interval's):
-    a second opinion beside a bootstrap, which is narrow on few seeds. None outside 2-11 seeds."""
-    return interval(d)[1:3] if 2 <= len(d) <= len(T975) + 1 else None
+    a second opinion beside a bootstrap, which is narrow on few seeds. None with fewer than 2."""
+    return interval(d)[1:3] if len(d) >= 2 else None
 
 
 def paired_t(a, b):

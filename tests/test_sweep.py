@@ -275,3 +275,24 @@ def test_frontier_counts_its_intervals_by_hand():
     assert said["up-list"].startswith("`ppo` at 4x the rate, generation the slower side, eta 1, 10 s: +9.0 ["), said
     assert said["down-list"].startswith("`ppo` at 4x the rate, generation the slower side, eta 2, 10 s: -9.0 [")
     assert said["luck"] == "0", said  # 5% of 4 intervals
+
+
+def test_the_equivalence_test_on_numbers_worked_by_hand():
+    """stats.tost on differences whose mean and sd are known: d = 0.5 +- 1 (n = 4, sd = sqrt(4/3)):
+    se = 0.5774, t(0.95, 3) = 2.3534, so the 90% interval is [-0.859, +1.859]: inside +-2, equivalent;
+    not inside +-1.5. Shifted by -5, the interval the Bonferroni correction asks for with 8 tests,
+    -4.5 +- t(0.996875, 3) x se = -4.5 +- 6.895 x 0.5774 = [-8.48, -0.52], lies below 0: a cost of 4.5
+    points; shifted by -4 it holds 0 (high +0.48): cannot conclude. TOST's 80% margin and the
+    difference detectable at 80% by their formulas."""
+    from lab.stats import detectable, pooled_sd, tost, tost_detectable
+
+    d = [-0.5, -0.5, 1.5, 1.5]
+    v = tost(d, 2.0)
+    assert (round(v["low90"], 3), round(v["high90"], 3)) == (-0.859, 1.859) and v["verdict"].startswith("equivalent")
+    assert tost(d, 1.5)["verdict"] == "cannot conclude"
+    cost = tost([x - 5 for x in d], 2.0, tests=8)
+    assert cost["verdict"].startswith("a cost of 4.5 points") and round(cost["high"], 2) == -0.52
+    assert tost([x - 4 for x in d], 2.0, tests=8)["verdict"] == "cannot conclude"
+    assert round(pooled_sd([d, [0.0, 2.0]]), 4) == round(((3 * 4 / 3 + 1 * 2) / 4) ** 0.5, 4)
+    assert round(tost_detectable(1.0, 20), 3) == round((1.7291 + 1.3277) / 20**0.5, 3)
+    assert round(detectable(1.0, 20), 3) == round((2.0930 + 0.8610) / 20**0.5, 3)

@@ -6,7 +6,7 @@ generator gets new weights (--regime, see regimes.py).
     python train.py --regime stale --preset long               # long answers: stale tokens appear
     python train.py --regime recompute --dataset gsm8k         # Qwen3-0.6B, vLLM on GPU 0, trainer on GPU 1
     python train.py --resume out/<run>                         # continue a run where its checkpoint left it
-    torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines (system/ranks.py)
+    torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines
 
 Two processes: this one (the trainer) and the generator (system/generator.py: a vLLM
 engine stepped one decode step at a time). Finished answers come over a bounded
@@ -53,6 +53,7 @@ from grpo import (
     train_step,
 )
 from system.preflight import check_budget, check_kv_plan, check_memory_plan, check_model
+from system.push import check_guard
 from system.ranks import Ranks
 from system.checkpoint import cut_logs, load_trainer_state, resume_config, save_checkpoint
 from system.runlog import RunLog, step_line, write_ledger
@@ -158,6 +159,7 @@ def main(argv=None):
         activation_checkpointing(model)  # long answers on a 0.6B model: trade compute for memory
     model = ranks.shard(model)  # FSDP2 across the trainer ranks; one rank: the model as it is
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    check_guard(model, opt, gen_dtype, device if cfg["sync_backend"] == "nccl" else "cpu")  # what the push can see
     if cfg.get("resume"):
         ranks.load_optimizer(model, opt, state, cfg["model_path"])
         torch.set_rng_state(state["rng"]["torch"])

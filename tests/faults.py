@@ -162,11 +162,11 @@ def engine_faults(faults):
             return step(self)
 
         ProcessGenerator.step = stalling_step
-    if v := faults["stall_at_push"]:
+    if stall_at := faults["stall_at_push"]:
         load_weights = ProcessGenerator.load_weights
 
         def stalling_load(self, version, weights):  # before it says it joined (joined.value)
-            if version == v:
+            if version == stall_at:
                 hang_forever()
             return load_weights(self, version, weights)
 
@@ -183,11 +183,11 @@ def engine_faults(faults):
             hang_forever()
 
         WeightReceiver.init_weight_group = faulty_init
-    if v := faults["engine_dies_in_push"]:
+    if dies_at := faults["engine_dies_in_push"]:
         receive = WeightReceiver.receive_weights
 
         def dying_receive(self, version, specs, ahead_bytes):
-            if version == v:  # vLLM's loader takes the tensors as they arrive: it dies halfway
+            if version == dies_at:  # vLLM's loader takes the tensors as they arrive: it dies halfway
                 load = self.load
                 self.load = lambda tensors: load(die_halfway(tensors, len(specs)))
             return receive(self, version, specs, ahead_bytes)

@@ -53,11 +53,27 @@ class NcclGroup:
       returns only once every rank has made its first collective, and never if one is gone or
       never comes;
     - wait() returns at once (it only orders the current stream after the collective);
-    - a collective broken by a dead peer never completes (gloo's fails: "Connection closed by peer").
+    - a collective broken by a dead peer never completes (gloo's fails: "Connection closed by peer");
+    - a process that exits leaves what it queued undone (gloo's would finish it first: here it ends
+      at once, with 1, and its peers' collectives never complete).
     Only is_completed() says when the bytes are here."""
 
     def __init__(self, group):
-        self.group, self.connected = group, False
+        import atexit
+        import collections
+
+        self.group, self.connected, self.works = group, False, collections.deque()  # works maybe not done
+        atexit.register(self.leave)
+
+    def leave(self):
+        if any(not w.is_completed() for w in self.works):  # gloo's: still queued or under way
+            os._exit(1)
+
+    def track(self, work):
+        while self.works and self.works[0].is_completed():
+            self.works.popleft()
+        self.works.append(work)
+        return NcclWork(work)
 
     def connect(self):
         if not self.connected:
@@ -71,11 +87,11 @@ class NcclGroup:
 
     def broadcast(self, t, root):
         self.connect()
-        return NcclWork(self.group.broadcast(t, root=root))
+        return self.track(self.group.broadcast(t, root=root))
 
     def allreduce(self, t):
         self.connect()
-        return NcclWork(self.group.allreduce(t))
+        return self.track(self.group.allreduce(t))
 
     def __getattr__(self, name):  # size(), rank(), abort(): gloo's
         return getattr(self.group, name)

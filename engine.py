@@ -221,7 +221,6 @@ def make_engine(cfg, worker_extension=None):
         logprobs_mode="processed_logprobs",
         worker_extension_cls=worker_extension or "",
         gpu_memory_utilization=cfg.get("gen_memory_utilization") or 0.9,  # devices.resolve_devices'; unused on CPU
-        num_gpu_blocks_override=cfg.get("kv_blocks_override"),  # tests: a small KV cache
         enforce_eager=not on_gpu,
         disable_log_stats=True,
     )

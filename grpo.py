@@ -411,7 +411,8 @@ def m2po_authors_cap(m2, budget):
     s = torch.sort(m2.double().flatten()).values
     if not len(s) or s.mean() <= budget:
         return math.inf
-    capped_mean = (s.cumsum(0) + s * torch.arange(len(s) - 1, -1, -1)) / len(s)  # mean of min(m2, s[j]), rising
+    after = torch.arange(len(s) - 1, -1, -1, device=s.device)  # how many sorted values come after each
+    capped_mean = (s.cumsum(0) + s * after) / len(s)  # mean of min(m2, s[j]), rising
     under = torch.nonzero(capped_mean < budget)
     return s[int(under[-1])].item() if len(under) else 0.0
 

@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))  # tests/helpers.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))  # for tests/helpers.py
 from helpers import ROOT, check_run, read, train  # noqa: E402  (train: train.py to its end)
 
 SMALL = [

@@ -43,6 +43,7 @@ from grpo import (
 from system.checkpoint import cut_logs, load_trainer_state, resume_config, save_checkpoint
 from system.devices import prepare
 from system.preflight import check_budget, check_kv_plan, check_memory_plan, check_model
+from system.push import check_guard
 from system.ranks import Ranks
 from system.runlog import RunLog, step_line, write_ledger
 
@@ -136,6 +137,7 @@ def main(argv=None):
         activation_checkpointing(model)  # long answers on a 0.6B model: trade compute for memory
     model = ranks.shard(model)  # FSDP2 across the trainer ranks; one rank: the model as it is
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    check_guard(model, opt, gen_dtype, device if cfg["sync_backend"] == "nccl" else "cpu")  # what the push can see
     if cfg.get("resume"):
         ranks.load_optimizer(model, opt, state, cfg["model_path"])
         torch.set_rng_state(state["rng"]["torch"])

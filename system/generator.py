@@ -19,8 +19,8 @@ import traceback
 
 from engine import Generator, WallClock, kv_capacity, lane, make_engine
 from system.preflight import PUSH_AHEAD_BYTES
+from system.push import SYNC_HOST, receive_broadcast
 from system.runlog import StepLog
-from system.push import SYNC_HOST, receive_broadcast, stall_test_hook
 
 
 class ProcessGenerator(Generator):
@@ -194,7 +194,6 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
     def receive(engine, version, specs):
         """Generator.receive: say that this engine joins the push of `version` (the trainer's
         watchdog then knows which engines never came), then take the broadcast."""
-        stall_test_hook("push", version, cfg.get("engine", 0))
         joined.value = version
         return receive_broadcast(engine, version, specs, cfg.get("push_ahead_bytes", PUSH_AHEAD_BYTES))
 
@@ -221,13 +220,14 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
             dict(engine=gen.engine_id, kv_answers=kv_answers, kv_tokens=kv_tokens, admit_at_once=gen.kv_answers),
         )
     )
-    stall_test_hook("group", 1, gen.engine_id)
-    engine.collective_rpc(
+    engine.collective_rpc(  # the weight group: its rendezvous, then its first collective (system.push.first_collective)
         "init_weight_group",
         args=(SYNC_HOST, cfg["sync_port"], 1 + gen.engine_id, 1 + cfg.get("engines", 1), cfg["sync_backend"], trainer),
     )
+    joined.value = cfg["start_version"]  # in the group's first collective: the push of the weights it starts with
+    engine.collective_rpc("first_collective")
     pending, evals = None, []  # weights being broadcast (version, specs); eval requests
-    idle, steps, recent = False, 0, collections.deque(maxlen=256)  # recent: engine step times, s
+    idle, recent = False, collections.deque(maxlen=256)  # recent: engine step times, s
     last_put = time.time()
     cpu_s0 = (cfg.get("start_stats") or {}).get("cpu_s", 0.0)  # resume: the CPU time before the checkpoint
     while True:
@@ -264,7 +264,6 @@ def run_generator(cfg, samples_q, control_q, joined, trainer):
             gen.set_activity("idle")
         else:
             gen.set_activity("draining" if not gen.admitting else "generating")
-            stall_test_hook("step", steps := steps + 1, gen.engine_id)
             t0 = time.time()
             gen.step()
             # the slowest of the last 256 steps sets the trainer's stall bound (GeneratorHandle.stall_bound):

@@ -11,7 +11,7 @@ import time
 from engine import as_tensors
 from system.generator import generator_main
 from system.preflight import PUSH_SEND_BYTES  # bytes a push may hold in flight (send_weights)
-from system.push import POLL_S, SYNC_HOST, die_test_hook, init_weight_group, send_weights
+from system.push import SYNC_HOST, first_collective, init_weight_group, send_weights, watched
 from system.ranks import weight_specs  # what a push sends first
 from system.watchdog import GeneratorDied, Watchdog
 
@@ -76,7 +76,8 @@ class GeneratorHandle(Watchdog):
         ctx = mp.get_context("spawn")  # vLLM and CUDA do not survive fork
         self.samples_q = ctx.Queue(maxsize=cfg["queue_size"])  # bounded: back-pressure; one for all engines
         self.control_qs = [ctx.Queue() for _ in envs]
-        self.joined = [ctx.Value("i", cfg["start_version"], lock=False) for _ in envs]  # the last push each joined
+        # the last push each engine joined: the group's first collective is that of the weights it starts with
+        self.joined = [ctx.Value("i", cfg["start_version"] - 1, lock=False) for _ in envs]
         self.procs = [
             spawn_with_env(
                 ctx,
@@ -119,35 +120,34 @@ class GeneratorHandle(Watchdog):
         self.group = self.form_group(listen)
 
     def form_group(self, listen):
-        """The weight group, formed on a thread while this one watches the engines as wait()
-        watches a push: init_weight_group returns once every engine's worker has joined, or
-        after the group's own timeout (1 h). An engine that exits first ends the run with its
-        traceback (died); one alive that has not joined within the stall bound, with its stack
-        (stalled)."""
-        import threading
-
-        made = []
-
-        def form():
-            try:
-                made.append(
-                    init_weight_group(SYNC_HOST, self.cfg["sync_port"], 0, 1 + self.n, self.cfg["sync_backend"], listen)
-                )
-            except Exception as e:  # raised below, on the trainer's thread
-                made.append(e)
-
-        former = threading.Thread(target=form, name="weight-group", daemon=True)
-        former.start()
+        """The weight group, its rendezvous and its first collective (where NCCL makes its
+        communicator: system.push.first_collective), each watched as wait() watches a push: an
+        engine that exits first ends the run with its traceback (died); one alive that has not
+        come to the first collective within the stall bound, with its stack (stalled); all of
+        them, if all came and the collective is stuck."""
         t0, bound = time.time(), self.stall_bound()
-        while former.is_alive():
-            former.join(POLL_S * 100)
+
+        def check():
             if dead := [i for i, p in enumerate(self.procs) if not p.is_alive()]:
                 self.died(dead[0], " while the weight group formed")
-            if former.is_alive() and time.time() - t0 > bound:
-                raise GeneratorDied(self.stop_stalled(bound, "not in the weight group"))
-        if isinstance(made[0], Exception):
-            raise made[0]
-        return made[0]
+            if time.time() - t0 > bound:
+                late = [i for i in range(self.n) if self.joined[i].value < self.version]
+                raise GeneratorDied(self.stop_stalled(bound, "not in the weight group", late or None))
+
+        try:
+            group = watched(
+                lambda: init_weight_group(
+                    SYNC_HOST, self.cfg["sync_port"], 0, 1 + self.n, self.cfg["sync_backend"], listen
+                ),
+                check,
+                "weight-group",
+            )
+            first_collective(group, self.transfer_device, check)
+        except GeneratorDied:
+            raise
+        except RuntimeError as e:  # gloo: a peer's death fails the collective, maybe before this thread sees it
+            self.lost(e, " while the weight group formed")
+        return group
 
     def next(self):
         """The next (kind, item) from the generators. An engine that is alive but sends
@@ -248,7 +248,7 @@ class GeneratorHandle(Watchdog):
             self.pending = (
                 *send_weights(
                     self.group,
-                    die_test_hook(self.version, specs, tensors),
+                    tensors,
                     self.transfer_device,
                     self.check_engines,
                     self.send_budget,

@@ -117,10 +117,11 @@ def push_plan(state_dict, on_gpu, world=1, backend="nccl"):
     lm_head.weight is its embedding again, 0.31 GB of bf16 that parameters() counts once).
     Each tensor goes out as a new tensor in the generator's dtype (bf16 on a GPU), or under
     FSDP2 as the float32 tensor gathered from the shards (DTensor.full_tensor); one float32
-    rank on CPU sends its parameters themselves. system.push.send_weights holds what it
-    posted until it has gone out, at most PUSH_SEND_BYTES (a tensor larger than that alone),
-    and GeneratorHandle.settle lets them go: the next step's optimizer step, so they are
-    held through that step's forward and backward. Over gloo from a GPU each tensor is moved
+    rank on CPU sends its parameters themselves. system.push.send_weights holds a copy until it
+    has gone out and its checksum has been read, at most PUSH_SEND_BYTES besides the next one it
+    makes (the largest: the embedding), and GeneratorHandle.settle lets the rest go: the next
+    step's optimizer step, so they are held through that step's forward and backward (test_gpu_check
+    runs send_weights on the meta device against this). Over gloo from a GPU each tensor is moved
     to host memory as it is posted: the device holds one at a time. Under FSDP2 rank 0 also
     holds, while it makes the tensor it sends, the float32 tensor it gathered: one at a time,
     the largest the embedding (0.62 GB for Qwen3-0.6B, 1.56 GB for Qwen3-4B)."""
@@ -132,7 +133,7 @@ def push_plan(state_dict, on_gpu, world=1, backend="nccl"):
     elif backend != "nccl" and on_gpu:
         held = item * max(sizes)
     else:
-        held = min(max(PUSH_SEND_BYTES, item * max(sizes)), item * sum(sizes))
+        held = min(PUSH_SEND_BYTES + item * max(sizes), item * sum(sizes))
     plan = {"the push's copies (until the next optimizer step)": held}
     if world > 1 and on_gpu:  # on CPU the float32 tensor gathered is the one sent: among the copies
         plan["the push's FSDP2 gather (fp32, one tensor)"] = 4 * max(sizes)

@@ -11,13 +11,15 @@ The group is made with vLLM's stateless helper; the worker joins it through
 import math
 import os
 import queue
+import threading
 import time
 
 from system.preflight import PUSH_AHEAD_BYTES, PUSH_SEND_BYTES  # how far a push runs ahead: receive, send
 
 SYNC_HOST = "127.0.0.1"  # the weight group's rendezvous: the engines run on trainer rank 0's machine
 WEIGHT_GROUP_TIMEOUT_S = 3600  # the weight group's own timeout: above every bound of ours (init_weight_group)
-POLL_S = 0.001  # how often a wait on the weight group looks (wait): torch's blocking NCCL wait polls every 1 ms
+POLL_S = 0.001  # the longest a wait on the weight group sleeps between two looks (wait)
+ABORT_S = 10  # how long a broken wait gives the group's abort before it reports (abort)
 
 
 def init_weight_group(host, port, rank, world_size, backend, listen_socket=None):
@@ -29,12 +31,12 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
     10 min, gloo 30 min), and a push's join may wait as long as its stall bound (drain; 1460 s
     measured during the CPU warm-up), past which NCCL's watchdog would abort the process
     before our watchdog could name the engine. WEIGHT_GROUP_TIMEOUT_S (1 h) is above our
-    bounds, so wait() reports first; forming the group, which it bounds too, is watched by
-    GeneratorHandle.form_group."""
+    bounds, so wait() reports first. On NCCL this is the rendezvous only: the communicator is
+    made by the group's first collective (first_collective)."""
     from datetime import timedelta
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    group = stateless_init_torch_distributed_process_group(
+    return stateless_init_torch_distributed_process_group(
         host,
         port,
         rank,
@@ -43,32 +45,70 @@ def init_weight_group(host, port, rank, world_size, backend, listen_socket=None)
         listen_socket=listen_socket,
         timeout=timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S),
     )
-    return nccl_wait_test_hook(group)
+
+
+def first_collective(group, device, check):
+    """The weight group's first collective, an allreduce of one zero that every rank makes right
+    after the rendezvous, watched: vLLM's helper gives ProcessGroupNCCL no device_id
+    (vllm/platforms/cuda.py), so NCCL makes its communicator inside the first collective, and that
+    call blocks its caller until every rank has made it, for ever if one never does. So it runs on a
+    thread of its own (watched) while this one runs check(), and its work is waited for as any other."""
+    import torch
+
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    wait(group, watched(lambda: group.allreduce(zero), check, "weight-group-first"), check)
+
+
+def watched(call, check, name):
+    """call(), which blocks its caller and cannot be polled, on a thread of its own, while this one
+    runs check() (it raises to give up) every 10 ms. Returns what call returned, or raises what it raised."""
+    out = []
+
+    def run():
+        try:
+            out.append((call(), None))
+        except Exception as e:  # raised below, on the watching thread
+            out.append((None, e))
+
+    caller = threading.Thread(target=run, name=name, daemon=True)
+    caller.start()
+    while caller.is_alive():
+        check()
+        caller.join(10 * POLL_S)
+    result, error = out[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def wait(group, work, check):
-    """Hold this thread until `work`, a collective of the weight group, has completed, on
-    every backend. NCCL's work.wait() does not block the CPU: it makes the current stream wait
-    for the collective and returns (ProcessGroupNCCL.hpp, WorkNCCL::wait; it blocks only under
-    TORCH_NCCL_BLOCKING_WAIT), and a dead peer does not fail an NCCL collective: it hangs until
-    the group's timeout, when NCCL's watchdog aborts the process without a word of ours. So:
-    poll is_completed() every POLL_S and, between polls, check(), which raises when a peer is
-    gone (the trainer's: an engine process exited; an engine's: its trainer did). Then the
-    group is aborted (NCCL: its communicators, which no collective queued on the dead peer
-    would leave; gloo has nothing to abort, its collective failed with "Connection closed by
-    peer") and the error goes to the caller, which reports it as it did gloo's. A stuck
-    peer is the trainer's push watchdog's (GeneratorHandle.push_stalled): it kills the engines
-    that are late, and the check sees them gone. Once completed, work.wait() raises gloo's
-    error, or on NCCL orders the current stream after the collective, so what the CPU reads
-    next from that stream (tolist() synchronizes it) is what arrived."""
+    """Hold this thread until `work`, a collective of the weight group, has completed, on every
+    backend: NCCL's work.wait() only makes the current stream wait for it, and a dead peer never
+    fails an NCCL collective (it hangs until the group's timeout). So: poll is_completed() and,
+    between looks, check(), which raises when a peer is gone; then the group is aborted and the
+    error goes to the caller. Once completed, work.wait() raises gloo's error, or on NCCL orders
+    the current stream after the collective (docs/reliability.md says what each side reports)."""
+    # looks 10 us apart at first, then further, up to POLL_S: vLLM's loader takes one tensor at a time,
+    # and one that arrives within microseconds is taken within microseconds, not at the next millisecond
+    pause = 1e-5
     while not work.is_completed():
         try:
             check()
         except RuntimeError:
-            group.abort()
+            abort(group)
             raise
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S)
     work.wait()
+
+
+def abort(group):
+    """group.abort(), given at most ABORT_S: NCCL's aborts its communicators (which no collective
+    queued on a dead peer would leave) and may itself wait up to the group's timeout for them
+    (ProcessGroupNCCL::abort), and the caller has a report to make. Gloo has nothing to abort."""
+    aborter = threading.Thread(target=group.abort, name="weight-group-abort", daemon=True)
+    aborter.start()
+    aborter.join(ABORT_S)
 
 
 def checksum(t):
@@ -104,21 +144,23 @@ def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
     tensor from rank 0 and the acknowledgement (an allreduce of the versions the workers
     load, which they add once every tensor has arrived) without waiting for them: the
     process group moves them on its own threads (gloo) or stream (NCCL) while the trainer
-    goes on. A tensor posted is held until it has gone out: past `budget` bytes in flight
-    (PUSH_SEND_BYTES; preflight.memory_plan), the trainer waits for the oldest (the CPU
-    waits, so on NCCL too at most the budget is queued, and the next step's forward is not
-    queued behind the rest of the push). Every wait is wait()'s, with `check` (raises when a
-    peer is gone). Returns (done, finish): done() says whether the ack is in, finish() waits
-    for it and returns (the ack: the versions and the checksums of what arrived, summed over
-    the engines; the checksum of what was sent; the positions of the tensors that changed
-    while the push was in flight).
+    goes on. A tensor posted is held until it has gone out and its checksum has been read:
+    past `budget` bytes held (PUSH_SEND_BYTES; preflight.push_plan), the trainer waits for the
+    oldest (the CPU waits, so on NCCL too at most the budget is queued, and the next step's
+    forward is not queued behind the rest of the push). Every wait is wait()'s, with `check`
+    (raises when a peer is gone). Returns (done, finish): done() says whether the ack is in,
+    finish() waits for it and returns (the ack: the versions and the checksums of what
+    arrived, summed over the engines; the checksum of what was sent; the positions of the
+    tensors that changed while the push was in flight).
 
     Every tensor sent must stay unchanged until finish(): with one trainer rank and the
     generator's dtype they are the parameters themselves, which the next optimizer step
     overwrites. The guard has two parts, neither on the trainer's thread beyond a counter:
-    - a change: each tensor's version counter (torch's `_version`, which every in-place op on
-      it or a view of it increments: the optimizer's step, a load_state_dict) is noted as it
-      is posted and compared in finish(). Exact, and free: no byte is read.
+    - a change: the version counter (torch's `_version`, which an in-place op on a tensor or
+      a view of it increments: the optimizer's step, a load_state_dict) of every tensor that
+      something else holds too (shared: a parameter) is noted as it is posted and compared in
+      finish(); a copy made for the push (bf16, gathered, on the host) is the push's alone, and
+      is let go once it has gone out. What bumps no counter is refused at start (check_guard).
     - what arrived: checksum() of every tensor, read by a thread of its own as the tensors
       are posted (one read of the model: ~0.07x a raw broadcast on CPU, where gloo moves
       ~1.3 GB/s; on a GPU its launches), against the engines' checksums of what they
@@ -126,29 +168,34 @@ def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
       reads see the same bytes unless the tensor changed in between, which the counter
       shows. So a push that arrives other than it was sent raises in settle either way."""
     import collections
-    import threading
     import torch
 
     wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)  # "all here"
-    works, held = collections.deque(), 0  # (bytes, work) in flight; their bytes
+    works, held = collections.deque(), 0  # (bytes, work) posted, oldest first; bytes not yet gone out and read
     sent = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor, added up
-    posted, to_read = [], queue.SimpleQueue()  # (tensor, its version counter when posted); the reader's
+    posted = []  # (position, tensor, its version counter when posted) of the tensors something else holds
+    to_read, read = queue.SimpleQueue(), threading.Semaphore(0)  # the reader's tensors; one release per tensor read
 
-    def read():  # the checksums, off the trainer's thread (torch's kernels release the GIL)
+    def read_all():  # the checksums, off the trainer's thread (torch's kernels release the GIL)
         while (t := to_read.get()) is not None:
             sent.add_(checksum(t))
+            del t  # let it go before saying it was read
+            read.release()
 
-    reader = threading.Thread(target=read, name="push-checksum", daemon=True)
+    reader = threading.Thread(target=read_all, name="push-checksum", daemon=True)
     reader.start()
     try:
-        for t in tensors:
+        for i, t in enumerate(tensors):
             t = t.to(device).contiguous()
             size = t.numel() * t.element_size()
-            while works and held + size > budget:
-                n, work = works.popleft()
-                wait(group, work, check)
-                held -= n
-            posted.append((t, t._version))
+            while works and held + size > budget:  # room: the oldest gone out, and read
+                wait(group, works[0][1], check)
+                while not read.acquire(timeout=1):  # the reader reads in posting order
+                    if not reader.is_alive():
+                        raise RuntimeError("the push's checksum thread stopped")
+                held -= works.popleft()[0]  # the work let go, and its tensor with it
+            if shared(t):
+                posted.append((i, t, t._version))
             works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
             to_read.put(t)
             held += size
@@ -161,9 +208,46 @@ def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
         for _, work in works:
             wait(group, work, check)
         reader.join()
-        return ack.tolist(), sent.tolist(), [i for i, (t, v) in enumerate(posted) if t._version != v]
+        return ack.tolist(), sent.tolist(), [i for i, t, v in posted if t._version != v]
 
     return works[-1][1].is_completed, finish
+
+
+def shared(t):
+    """Whether something besides `t` holds its bytes (a parameter, the caller's state dict), which may
+    then change before the push is settled. torch counts a storage's owners: t, and the Python object
+    that asks (inductor's cudagraph trees read the same count)."""
+    import torch
+
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+
+
+def check_guard(model, opt, dtype, device):
+    """The push's guard sees a write to a tensor in flight by its version counter (send_weights), where
+    the push sends the parameters themselves (`dtype` and `device` are theirs: one float32 trainer rank on
+    CPU); elsewhere it sends copies, which nothing writes. There, refuse in one line what bumps no counter:
+    parameters made under inference_mode (they have none), and an optimizer whose step bumps none
+    (AdamW(fused=True) in torch 2.13, one that writes through .data), tried on a probe of its own."""
+    import inspect
+    import torch
+    from data import UsageError
+
+    p = next(model.parameters())
+    if hasattr(p, "full_tensor") or p.to(dtype=dtype, device=device) is not p:
+        return  # FSDP2 or another dtype or device: the push sends copies
+    if any(q.is_inference() for q in model.parameters()):
+        raise UsageError("the model's parameters were made under torch.inference_mode: they cannot be trained")
+    probe = torch.nn.Parameter(torch.zeros(2, device=p.device))
+    kwargs = inspect.signature(type(opt)).parameters  # its settings, as its constructor takes them
+    probe_opt = type(opt)([probe], **{k: v for k, v in opt.defaults.items() if k in kwargs})
+    probe.grad, before = torch.ones_like(probe), probe._version
+    probe_opt.step()
+    if probe._version == before:
+        raise UsageError(
+            f"{type(opt).__name__}{' (fused=True)' if opt.defaults.get('fused') else ''} writes the parameters "
+            "without bumping their version counters, so the weight push's guard could not see a step taken "
+            "before settle(): use one that writes them in place (AdamW's default)"
+        )
 
 
 def buffer_device(backend, worker_device):
@@ -187,7 +271,7 @@ class WeightReceiver:
     vLLM worker, called through `engine.collective_rpc(name, args)`."""
 
     def init_weight_group(self, host, port, rank, world_size, backend, trainer):
-        """Join the weight group; `trainer`, the trainer's pid, is this process's parent (the
+        """Join the weight group's rendezvous; `trainer`, the trainer's pid, is this process's parent (the
         worker runs in the generator process: VLLM_ENABLE_V1_MULTIPROCESSING=0, one device per
         engine), which the waits watch (wait)."""
         if os.getppid() != trainer:
@@ -195,6 +279,11 @@ class WeightReceiver:
         self.weight_group = init_weight_group(host, port, rank, world_size, backend)
         self.weight_backend = backend  # the string we chose, not one read back from torch (see buffer_device)
         self.trainer = trainer
+
+    def first_collective(self):
+        """This engine's part of the weight group's first collective (first_collective: where NCCL
+        makes its communicator), watching its trainer."""
+        first_collective(self.weight_group, buffer_device(self.weight_backend, self.device), self.check_trainer)
 
     def check_trainer(self):
         """For wait(): raise once the trainer is gone (this process was handed to another parent)."""
@@ -268,90 +357,15 @@ class WeightReceiver:
                 ack.append(group.allreduce(mine))
             return name, t
 
-        # in-place reload: the same parameter storage, so CUDA graphs and the KV cache
-        # stay valid. (model.load_weights from here fails on CPU: "'Parameter' object
-        # has no attribute 'weight_loader'"; reload_weights goes through the loaders.)
-        self.reload_weights(weights_iterator=die_test_hook(version, specs, received(), "ENGINE_DIES_IN_PUSH"))
+        self.load(received())
         if done < len(specs):  # vLLM's loader stopped taking tensors: some layers were not loaded
             raise RuntimeError(f"vLLM loaded {done} of the {len(specs)} tensors of v{version}; this engine stops")
         wait(group, ack[0], check)
         return joined
 
-
-# -----------------------------------------------------------------------------
-# test hooks (tests/test_reliability.py, tests/test_generator.py)
-
-
-def stall_test_hook(kind, n, engine):
-    """TEST HOOK (test_reliability.py): with INFLIGHT_TEST_STALL_AT_STEP=N in the
-    environment the generator hangs forever before its N-th engine step, with
-    INFLIGHT_TEST_STALL_AT_PUSH=V before it joins the push of version V, with
-    INFLIGHT_TEST_STALL_AT_GROUP=1 before it joins the weight group, alive and
-    silent, as a stuck engine or a deadlocked worker would; with
-    INFLIGHT_TEST_STALL_ENGINE=i, only engine i does."""
-    if n == int(os.environ.get(f"INFLIGHT_TEST_STALL_AT_{kind.upper()}", 0)) and os.environ.get(
-        "INFLIGHT_TEST_STALL_ENGINE", str(engine)
-    ) == str(engine):
-        while True:
-            time.sleep(3600)
-
-
-def die_test_hook(version, specs, tensors, who="DIE_IN_PUSH"):
-    """TEST HOOK (test_reliability.py, test_generator.py): with INFLIGHT_TEST_DIE_IN_PUSH=V in
-    the environment the trainer kills itself (-9) once it has sent half the tensors of the push
-    of version V, as a trainer lost halfway through a push; with INFLIGHT_TEST_ENGINE_DIES_IN_PUSH=V
-    (who="ENGINE_DIES_IN_PUSH", WeightReceiver.receive_weights) the engine does, once it has
-    received half of them."""
-    if version != int(os.environ.get(f"INFLIGHT_TEST_{who}", 0)):
-        return tensors
-
-    def halfway():
-        import signal
-
-        for i, t in enumerate(tensors):
-            if i == len(specs) // 2:
-                os.kill(os.getpid(), signal.SIGKILL)
-            yield t
-
-    return halfway()
-
-
-class NcclWaits:
-    """TEST HOOK (nccl_wait_test_hook): a gloo group whose works behave as NCCL's do on a GPU."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def broadcast(self, t, root):
-        return NcclWork(self.group.broadcast(t, root=root))
-
-    def allreduce(self, t):
-        return NcclWork(self.group.allreduce(t))
-
-    def __getattr__(self, name):  # size(), rank(), abort(): gloo's
-        return getattr(self.group, name)
-
-
-class NcclWork:
-    """A gloo work as NCCL's on a GPU: wait() without a timeout returns at once (NCCL's makes
-    the current stream wait for the collective and returns: ProcessGroupNCCL.hpp, WorkNCCL::wait),
-    and a collective broken by a dead peer never completes (gloo's fails at once with "Connection
-    closed by peer"; NCCL's hangs until the group's timeout, when NCCL's watchdog aborts the
-    process). Only is_completed() says when the bytes are here."""
-
-    def __init__(self, work):
-        self.work = work
-
-    def is_completed(self):
-        return self.work.is_completed() and self.work.exception() is None
-
-    def wait(self, timeout=None):
-        return True if timeout is None else self.work.wait(timeout)
-
-
-def nccl_wait_test_hook(group):
-    """TEST HOOK (test_generator.py, test_reliability.py): with INFLIGHT_TEST_NCCL_WAITS=1 in
-    the environment (the trainer's, which its engines inherit) the weight group's works
-    behave as NCCL's do on a GPU (NcclWork): a wait that waits and a dead peer that is noticed
-    must come from the code that waits, as they must on a GPU."""
-    return NcclWaits(group) if os.environ.get("INFLIGHT_TEST_NCCL_WAITS") else group
+    def load(self, tensors):
+        """vLLM's in-place reload from `tensors`, (name, tensor) pairs taken as they arrive: the same
+        parameter storage, so CUDA graphs and the KV cache stay valid. (model.load_weights from here
+        fails on CPU: "'Parameter' object has no attribute 'weight_loader'"; reload_weights goes
+        through the loaders.)"""
+        self.reload_weights(weights_iterator=tensors)

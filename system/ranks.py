@@ -174,11 +174,9 @@ class Ranks:
         whole model."""
         state = model.state_dict()  # DTensors under FSDP2: their shapes are the full ones
 
-        def tensors():
+        def tensors():  # a DTensor is all-gathered (complete when full_tensor returns), and held by the push alone
             for t in state.values():
-                if hasattr(t, "full_tensor"):  # a DTensor: all-gather, complete when it returns
-                    t = t.full_tensor()
-                yield t.detach().to(dtype)
+                yield (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype)
 
         return weight_specs(state, dtype), tensors()
 

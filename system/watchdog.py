@@ -120,5 +120,15 @@ class Watchdog:
         watchdog.join()  # a report being written: wait for it
         if self.stall_report:
             raise GeneratorDied(self.stall_report) from None
-        dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0)
-        self.died(dead, f" during the weight broadcast ({str(e).splitlines()[0][:200]})")
+        self.lost(e, f" during the weight broadcast of v{self.version}")
+
+    def lost(self, e, how):
+        """A collective of the weight group failed with `e`: name the engine that died (gloo fails
+        the collective as the peer's socket closes, which may come before its exit shows: 5 s for
+        it), or, every engine alive, say that the trainer's side failed, with its error."""
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        for _ in range(50):
+            if dead := [i for i, p in enumerate(self.procs) if not p.is_alive()]:
+                self.died(dead[0], f"{how} ({why})")
+            time.sleep(0.1)
+        raise GeneratorDied(f"weight group error on the trainer's side{how}, every engine alive: {why}") from e

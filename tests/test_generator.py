@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import faults
 from system.watchdog import GeneratorDied
 from system.devices import prepare
 from helpers import check_sync_is_exact, collect, hf_model, start
@@ -58,16 +59,15 @@ def test_killed_generator_is_noticed_fast():
 
 
 def test_push_with_nccl_waits(monkeypatch):
-    """The weight group's works made to behave as NCCL's do on a GPU (the test hook
-    system.push.nccl_wait_test_hook): wait() returns at once, and a collective a dead
-    peer broke never completes. A push returns once the engine has joined it (drain: after its
+    """The weight group made to behave as NCCL's does on a GPU (tests/faults.py's NcclGroup: the
+    first collective blocks until every rank has made one, wait() returns at once, and a collective a
+    dead peer broke never completes). A push returns once the engine has joined it (drain: after its
     answers in flight finished; train.py's sync_s), settle() gets the engine's acknowledgement
     and checksums, and the engine samples under the new version; the engine killed halfway
-    through receiving the next push (INFLIGHT_TEST_ENGINE_DIES_IN_PUSH) is GeneratorDied within
+    through receiving the next push (tests/faults.py) is GeneratorDied within
     30 s, as it is with gloo's waits. (The waits as they were, wait() trusted to block, failed
     here: settle() read an acknowledgement not yet written, "versions summing to 0".)"""
-    monkeypatch.setenv("INFLIGHT_TEST_NCCL_WAITS", "1")
-    monkeypatch.setenv("INFLIGHT_TEST_ENGINE_DIES_IN_PUSH", "2")
+    faults.install(dict(nccl=True, engine_dies_in_push=2), monkeypatch.setattr)
     gen, cfg = start("drain", "--group-size", "2", "--prompts-per-step", "2", "--max-lag", "0")
     try:
         collect(gen, 1)  # the others are in flight: drain finishes them before it joins
@@ -130,6 +130,8 @@ def test_engine_settings_and_no_preemption():
     requests in the engine, training and eval alike, and vLLM preempts none. The same
     8 answers admitted at once, the cap lifted, do get preempted: the counter sees it
     (and the cap is what prevents it)."""
+    import functools
+    import vllm
     from transformers import AutoTokenizer
     from data import load_problems
     from engine import Generator, kv_capacity, make_engine
@@ -160,7 +162,9 @@ def test_engine_settings_and_no_preemption():
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env, INFLIGHT_GEN_CORES="")  # the engine in this process, as bench_sync.py makes it
     try:
-        engine = make_engine(dict(cfg, kv_blocks_override=5))
+        with pytest.MonkeyPatch.context() as m:  # a KV cache of 5 blocks: vLLM's own setting, for this engine
+            m.setattr(vllm, "EngineArgs", functools.partial(vllm.EngineArgs, num_gpu_blocks_override=5))
+            engine = make_engine(cfg)
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

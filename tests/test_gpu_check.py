@@ -9,6 +9,7 @@ model runner pinned and read back. The whole of gpu_check on CPU: test_train.py.
 """
 
 import argparse
+import math
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from tools.bench_train import QWEN3
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py)
 
 QWEN3_06B, QWEN3_4B = QWEN3["Qwen3-0.6B"], QWEN3["Qwen3-4B"]  # their config.json (tools/bench_train.py)
+COPIES = "the push's copies (until the next optimizer step)"  # preflight.push_plan's item
 
 
 def meta_model(**arch):
@@ -75,14 +77,15 @@ def test_memory_plan_counts_what_a_push_holds():
     """The trainer's plan for a push, against the state dict a push sends, of Qwen3 built on
     the meta device: every tensor, the tied lm_head.weight under its own name (Qwen3-0.6B:
     751,632,384 elements, 1.50 GB of bf16, where 2 x its 596M parameters planned 1.19 GB),
-    held up to preflight.PUSH_SEND_BYTES (Qwen3-4B's 8.8 GB are not all held); under FSDP2
-    rank 0's float32 gather of the largest tensor, the embedding (0.62 GB and 1.56 GB);
-    nothing on one float32 CPU rank (the parameters go out themselves); over gloo from a GPU
-    one tensor at a time."""
+    held up to preflight.PUSH_SEND_BYTES and the largest tensor beside it (Qwen3-4B's 8.8 GB
+    are not all held); under FSDP2 rank 0's float32 gather of the largest tensor, the embedding
+    (0.62 GB and 1.56 GB); nothing on one float32 CPU rank (the parameters go out themselves);
+    over gloo from a GPU one tensor at a time. (What send_weights holds against it:
+    test_a_push_holds_what_the_plan_says.)"""
     from grpo import LOGIT_CHUNK_BYTES
     from system.preflight import PUSH_SEND_BYTES, memory_plan
 
-    copies, gather = "the push's copies (until the next optimizer step)", "the push's FSDP2 gather (fp32, one tensor)"
+    copies, gather = COPIES, "the push's FSDP2 gather (fp32, one tensor)"
     gpu = dict(trainer_device="cuda:0", micro_batch_tokens=16384)
     config, model = meta_model(**QWEN3_06B)
     sizes = [t.numel() for t in model.state_dict().values()]
@@ -94,13 +97,93 @@ def test_memory_plan_counts_what_a_push_holds():
     assert memory_plan(dict(gpu, sync_backend="gloo"), config, LOGIT_CHUNK_BYTES)[copies] == 2 * max(sizes)
     cpu = dict(gpu, trainer_device="cpu")
     assert memory_plan(cpu, config, LOGIT_CHUNK_BYTES)[copies] == 0
-    assert memory_plan(cpu, config, LOGIT_CHUNK_BYTES, world=2)[copies] == PUSH_SEND_BYTES  # 3.0 GB of fp32, capped
+    # 3.0 GB of fp32, held up to the budget and the embedding
+    assert memory_plan(cpu, config, LOGIT_CHUNK_BYTES, world=2)[copies] == PUSH_SEND_BYTES + 4 * max(sizes)
 
     config, model = meta_model(**QWEN3_4B)
     sizes = [t.numel() for t in model.state_dict().values()]
     assert sum(sizes) == 4_411_424_256  # 8.8 GB of bf16
     plan = memory_plan(gpu, config, LOGIT_CHUNK_BYTES, world=2)
-    assert plan[copies] == PUSH_SEND_BYTES and plan[gather] == 4 * 151936 * 2560
+    assert plan[copies] == PUSH_SEND_BYTES + 2 * 151936 * 2560 and plan[gather] == 4 * 151936 * 2560
+
+
+class HeldWork:
+    """A broadcast's work as NCCL's: it holds its tensor until it is let go, and is done whenever
+    asked (the trainer waits for none it need not)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        return True
+
+
+class Group:
+    """A weight group of one trainer on the meta device: what send_weights posts, held."""
+
+    def broadcast(self, t, root):
+        return HeldWork(t)
+
+    def allreduce(self, t):
+        return HeldWork(t)
+
+
+@pytest.mark.parametrize("name", ["Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B"])
+def test_a_push_holds_what_the_plan_says(name):
+    """system.push.send_weights, run on the meta device as train.py runs it on one GPU (Ranks.weights:
+    each float32 parameter cast to bf16 as it is sent), holds at most what preflight.push_plan says
+    of the copies, at every tensor it makes: every tensor alive that it made is counted (weakref
+    finalizers), through the return of the push (the rest is let go in settle). Qwen3-0.6B's 1.50 GB
+    are all held; 1.7B's 4.7 GB and 4B's 8.8 GB are not: up to PUSH_SEND_BYTES and the embedding
+    beside it (it kept every copy until settle before: 4.7 and 8.8 GB). The budget is used."""
+    import weakref
+    from system.preflight import PUSH_SEND_BYTES, push_plan
+    from system.push import send_weights
+    from system.ranks import Ranks
+
+    config, model = meta_model(**QWEN3[name])
+    plan = push_plan(model.state_dict(), on_gpu=True)[COPIES]
+    held, peak = [0], [0]
+
+    def counted(tensors):
+        for t in tensors:
+            held[0] += t.numel() * t.element_size()
+            weakref.finalize(t, lambda n=t.numel() * t.element_size(): held.__setitem__(0, held[0] - n))
+            peak[0] = max(peak[0], held[0])
+            yield t
+
+    specs, tensors = Ranks().weights(model, torch.bfloat16)
+    send_weights(Group(), counted(tensors), "meta", lambda: None)
+    total = sum(math.prod(shape) for _, _, shape in specs) * 2
+    largest = 2 * max(t.numel() for t in model.state_dict().values())
+    assert plan == min(PUSH_SEND_BYTES + largest, total)
+    assert peak[0] <= plan, f"{name}: a push held {peak[0] / 2**30:.2f} GiB, the plan says {plan / 2**30:.2f}"
+    assert peak[0] == total if total <= PUSH_SEND_BYTES else peak[0] > PUSH_SEND_BYTES
+
+
+def test_a_program_that_misses_its_deadline_is_stopped_and_named():
+    """Checks 2 and 3 run train.py and bench_sync.py through run_program: one still running at its
+    deadline is stopped with every process of its session (here a child holding its stdout, as an
+    engine does), and the check fails naming the last line it printed, the stage it hung in (before:
+    no deadline, and on NCCL a push to a peer gone hangs until the group's 1 h timeout)."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import subprocess, sys, time; print('  sync: round 2 of 5', flush=True); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+    )
+    t0 = time.time()
+    exit_code, out, err = gpu_check.run_program([sys.executable, "-c", code], 5)
+    assert exit_code is None and time.time() - t0 < 30
+    said = "still running after 5 s (--deadline-s), stopped; the last it printed: sync: round 2 of 5"
+    assert gpu_check.missed(5, out, err) == said
+    assert gpu_check.run_program([sys.executable, "-c", "print('done')"], 60) == (0, "done\n", "")
+    assert subprocess.run(["pgrep", "-f", "time.sleep\\(120\\)"], capture_output=True).stdout == b""
 
 
 def test_memory_plan_on_a_gpu_shared_with_an_engine(monkeypatch, capsys):

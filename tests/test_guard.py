@@ -1,12 +1,14 @@
 """
 The push's guard (system.push.checksum): what it costs per tensor, and that it sees
-every bit. No engine: the meta device for Qwen3-0.6B's shapes, small CPU tensors for the rest.
+every bit; which tensors it notes the version counter of (shared), and what it refuses at
+start (check_guard). No engine: the meta device for Qwen3-0.6B's shapes, small CPU tensors for the rest.
 That a push which arrives other than sent raises in settle() is test_generator.py's
 test_sync_is_exact (helpers.check_sync_is_exact, part 3), with a real engine.
 
     .venv/bin/python -m pytest -q tests/test_guard.py
 """
 
+import pytest
 import torch
 
 from system.push import checksum
@@ -71,3 +73,47 @@ def test_guard_sees_every_bit():
             assert checksum(flipped.view(dtype).reshape(shape)).tolist() != base, f"bit {i} of a {dtype} {shape}"
     t = torch.randn(8, 16, generator=g)
     assert checksum(t).tolist() == checksum(t.view(torch.int32)).tolist() == checksum(t.view(torch.bfloat16)).tolist()
+
+
+def test_the_guard_keeps_only_what_something_else_holds():
+    """send_weights notes the version counter of a tensor it sends only while something besides the push
+    holds its bytes (system.push.shared): a parameter sent as it is (one float32 rank on CPU), or a state
+    dict's tensor; a copy made for the push (cast to bf16, as Ranks.weights makes on a GPU) is the push's
+    alone and no write can reach it, so it is let go once it has gone out."""
+    from helpers import small_model
+    from system.push import shared
+    from system.ranks import Ranks
+
+    model = small_model()
+    assert all(shared(t) for t in Ranks().weights(model, torch.float32)[1])  # the parameters themselves
+    assert not any(shared(t) for t in Ranks().weights(model, torch.bfloat16)[1])  # copies
+    assert all(shared(t) for t in model.state_dict().values())
+    assert not shared(torch.zeros(3)) and shared(next(model.parameters()).detach())
+
+
+def test_the_guard_refuses_what_it_cannot_see():
+    """Where the push sends the parameters themselves (float32 on CPU), check_guard refuses at start, in one
+    line, what bumps no version counter: AdamW(fused=True) (its step writes every parameter and bumps none,
+    torch 2.13), and parameters made under inference_mode (they have no counter); it lets AdamW's default
+    (foreach or not) through, and anything where the push sends copies (bf16), which no write can reach."""
+    from data import UsageError
+    from helpers import small_model
+    from system.push import check_guard
+
+    model = small_model()
+    for kw in (dict(), dict(foreach=True), dict(foreach=False)):
+        check_guard(model, torch.optim.AdamW(model.parameters(), **kw), torch.float32, "cpu")
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    with pytest.raises(UsageError, match=r"^AdamW \(fused=True\) writes the parameters without bumping") as e:
+        check_guard(model, fused, torch.float32, "cpu")
+    assert "\n" not in str(e.value)
+    check_guard(model, fused, torch.bfloat16, "cpu")  # copies go out
+    p = next(model.parameters())  # the fused step does write it: the guard would not see it
+    before, version = p.detach().clone(), p._version
+    p.grad = torch.ones_like(p)
+    fused.step()
+    assert not torch.equal(p.detach(), before) and p._version == version
+    with torch.inference_mode():
+        frozen = small_model()
+    with pytest.raises(UsageError, match="inference_mode"):
+        check_guard(frozen, torch.optim.AdamW(frozen.parameters()), torch.float32, "cpu")

@@ -164,6 +164,22 @@ def test_every_link_resolves():
     assert len(seen) >= 2 and not broken, broken
 
 
+@pytest.mark.fast
+def test_no_test_code_on_the_production_path():
+    """Faults are put into the programs from outside (tests/faults.py, through the function the
+    trainer spawns with and a launcher), never read by them: no code outside tests/ names a test
+    hook, an INFLIGHT_TEST_ variable or a setting kept "# tests"."""
+    files = [p for p in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True) if "/.venv/" not in p]
+    outside = [p for p in files if not os.path.relpath(p, ROOT).startswith("tests" + os.sep)]
+    bad = [
+        f"{os.path.relpath(p, ROOT)}:{i}: {line.strip()}"
+        for p in outside
+        for i, line in enumerate(open(p), 1)
+        if re.search(r"INFLIGHT_TEST|_test_hook|# tests", line)
+    ]
+    assert len(outside) > 30 and not bad, bad
+
+
 @pytest.mark.prose
 def test_readme_is_a_first_page_and_cites_nothing_outside():
     """The README stays a course's first page: at most 12,000 characters, its first

@@ -300,3 +300,25 @@ def test_minibatches_cut_the_batch_in_order():
     assert grpo.minibatches(8, 1) == [list(range(8))]
     assert grpo.minibatches(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert grpo.minibatches(5, 2) == [[0, 1], [2, 3, 4]]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", sorted(grpo.LOSSES))
+def test_every_loss_keeps_to_its_inputs_device(name):
+    """Every loss makes what it makes on its inputs' device: on a GPU they are CUDA tensors, and a tensor
+    made without a device (on the CPU) that meets them fails there. The same mix here, the other way round:
+    CPU inputs, torch's default device the meta device (which refuses to meet the CPU), so a tensor made
+    without a device fails this test. (m2po-authors' torch.arange did: "Tensor on device meta is not on
+    the expected device cpu".) Six tokens whose harmful ones' (log pi/mu)^2 are over --m2po-tau, so that
+    m2po-authors computes its cap."""
+    logp = torch.tensor([-1.0, -2.0, -0.5, -0.3, -1.2, -0.9], requires_grad=True)
+    mu = torch.tensor([-1.5, -1.6, -0.2, -0.9, -1.0, -0.1])
+    old = torch.tensor([-1.2, -2.0, -0.4, -0.5, -1.1, -0.8])
+    adv, answer = torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0, -1.0]), torch.tensor([0, 0, 1, 2, 3, 3])
+    cfg = dict(CFG, m2po_cutoff=0.3, m2po_tau=0.01)
+    with torch.device("meta"):
+        loss, clipped = grpo.LOSSES[name](cfg, logp, old, mu, adv, answer)
+        loss.sum().backward()
+    assert loss.device.type == clipped.device.type == logp.grad.device.type == "cpu"
+    if name == "m2po-authors":  # the cap was computed: some harmful token clipped
+        assert clipped.any()

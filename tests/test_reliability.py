@@ -4,7 +4,8 @@ vLLM engine where one runs): a user's mistake stops the run in seconds with one
 line on stderr and exit code 2, before the generator starts; a stalled generator
 is caught and reported with its stack; --resume after kill -9 logs every step once
 and keeps the staleness bound; a save that dies half-way leaves a checkpoint that
---resume finds.
+--resume finds. The faults are put into train.py from outside (tests/faults.py), some
+with the weight group's collectives made to behave as NCCL's (--nccl; its own test here).
 
     .venv/bin/python -m pytest -q tests/test_reliability.py
 """
@@ -229,14 +230,15 @@ SMALL = [
 ]
 
 
-def start_train(*args, env=None):
-    """train.py in its own process group (its generator joins it), stdout piped."""
+def start_train(*args, faults=()):
+    """train.py in its own process group (its generator joins it), stdout piped; with `faults`,
+    tests/faults.py's flags, under them (the real program, the faults patched in from outside)."""
+    launch = [os.path.join("tests", "faults.py"), *faults, "--"] if faults else []
     return subprocess.Popen(
-        [sys.executable, "train.py", *args],
+        [sys.executable, *launch, "train.py", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
         start_new_session=True,
     )
 
@@ -350,52 +352,198 @@ def test_resume_after_kill_9_loses_and_repeats_nothing(tmp_path):
 
 
 def test_stalled_generator_is_stopped_with_its_stack(tmp_path):
-    """A generator alive but silent (the test hook hangs it before engine step 60)
+    """A generator alive but silent (tests/faults.py hangs it before engine step 60)
     is stopped by the trainer, which reports its last activity and Python stack."""
-    env = dict(os.environ, INFLIGHT_TEST_STALL_AT_STEP="60")
     # short answers (--synth-steps 2), so messages flow every few steps until the hang
     proc = start_train(
-        "--out", str(tmp_path / "run"), "--steps", "1000", "--stall-s", "10", *SMALL, "--synth-steps", "2", env=env
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "1000",
+        "--stall-s",
+        "10",
+        *SMALL,
+        "--synth-steps",
+        "2",
+        faults=["--stall-at-step", "60"],
     )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, (out[-2000:], err[-3000:])
     # silent while the trainer waits for answers, or not taking a push: whichever it was doing
     assert "generator stalled: alive but" in err and "for 10s" in err, err[-3000:]
     assert "last activity it reported: " in err
-    assert "in stall_test_hook" in err  # the stack faulthandler wrote, pointing at the hang
+    assert "in hang_forever" in err  # the stack faulthandler wrote, pointing at the hang
     assert "leaked semaphore" not in err, err[-2000:]  # the killed generator leaves nothing behind
     time.sleep(1)
     assert not session_left(proc.pid)
 
 
-def test_an_engine_that_never_joins_the_weight_group_is_stopped(tmp_path):
-    """The engine hangs before it joins the weight group (the test hook): the trainer, which
-    forms the group on a thread and watches meanwhile, stops it within the stall bound and
-    reports its stack, instead of waiting out the group's 1 h timeout."""
-    env = dict(os.environ, INFLIGHT_TEST_STALL_AT_GROUP="1")
-    proc = start_train("--out", str(tmp_path / "run"), "--steps", "3", "--stall-s", "10", *SMALL, env=env)
+class Work:
+    """A collective's work that completes at its n-th look."""
+
+    def __init__(self, n):
+        self.looks, self.n = 0, n
+
+    def is_completed(self):
+        self.looks += 1
+        return self.looks >= self.n
+
+    def wait(self):
+        return True
+
+
+class Group:
+    aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+@pytest.mark.fast
+def test_a_wait_looks_often_at_first_and_stops_when_a_peer_is_gone(monkeypatch):
+    """system.push.wait looks at its work 10 us after it starts, then twice as long each time, up to
+    POLL_S (1 ms): vLLM's loader takes one tensor at a time, and at a flat 1 ms a look each tensor
+    that had not yet arrived cost a millisecond. A check that raises (a peer gone) aborts the group
+    and reaches the caller. watched() runs a call that blocks on a thread of its own: its result
+    or its error come back, and a check that raises while it blocks gives up on it."""
+    import threading
+    from system import push
+
+    slept = []
+    monkeypatch.setattr(push.time, "sleep", slept.append)
+    push.wait(Group(), Work(12), lambda: None)
+    assert slept == [1e-5 * 2**i for i in range(7)] + [push.POLL_S] * 4
+    group = Group()
+
+    def gone():
+        raise RuntimeError("the trainer is gone")
+
+    with pytest.raises(RuntimeError, match="the trainer is gone"):
+        push.wait(group, Work(100), gone)
+    assert group.aborted
+    monkeypatch.undo()
+    assert push.watched(lambda: 7, lambda: None, "t") == 7
+    with pytest.raises(ZeroDivisionError):
+        push.watched(lambda: 1 / 0, lambda: None, "t")
+    never = threading.Event()
+    with pytest.raises(RuntimeError, match="the trainer is gone"):
+        push.watched(never.wait, gone, "t")
+
+
+RANK_1 = """
+import os, sys, time
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+from faults import NcclGroup
+from system.push import init_weight_group
+
+group = NcclGroup(init_weight_group("127.0.0.1", int(sys.argv[1]), 1, 2, "gloo"))
+print("joined", flush=True)
+if sys.argv[2] == "exits":  # gone before its first collective
+    os._exit(0)
+time.sleep(3)
+print("first collective", time.time(), flush=True)
+work = group.allreduce(torch.ones(()))
+while not work.is_completed():
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("rank_1", ["comes late", "exits"])
+def test_the_nccl_group_blocks_its_first_collective_until_every_rank_makes_one(rank_1):
+    """tests/faults.py's NcclGroup, which the nccl tests run under, as ProcessGroupNCCL made lazily (vLLM's
+    helper): rank 0's first collective, the call itself, does not return before rank 1 (in another process,
+    in the group) makes its own, 3 s after joining; the allreduce then completes. With rank 1 gone instead,
+    it never returns (gloo's would raise "Connection closed by peer")."""
+    import socket
+    import threading
+    import torch
+    from faults import NcclGroup
+    from system.push import init_weight_group
+
+    listen = socket.socket()
+    listen.bind(("127.0.0.1", 0))
+    listen.listen()
+    code = RANK_1.format(root=os.getcwd(), tests=os.path.join(os.getcwd(), "tests"))
+    peer = subprocess.Popen(
+        [sys.executable, "-c", code, str(listen.getsockname()[1]), rank_1], stdout=subprocess.PIPE, text=True
+    )
+    group = NcclGroup(init_weight_group("127.0.0.1", listen.getsockname()[1], 0, 2, "gloo", listen))
+    assert peer.stdout.readline() == "joined\n"
+    t, returned = torch.ones(()), []
+    caller = threading.Thread(target=lambda: returned.append((group.allreduce(t), time.time())), daemon=True)
+    caller.start()
+    if rank_1 == "exits":
+        peer.wait(timeout=60)
+        caller.join(10)
+        assert caller.is_alive() and not returned, "the first collective returned without rank 1"
+        return
+    called = float(peer.stdout.readline().split()[-1])
+    caller.join(60)
+    assert returned and returned[0][1] >= called, "the first collective returned before rank 1 made its own"
+    while not returned[0][0].is_completed():
+        time.sleep(0.01)
+    assert t.item() == 2.0
+    peer.wait(timeout=60)
+
+
+# the weight group's collectives as they are on CPU (gloo's: connected when made, wait() blocks, a dead peer
+# fails the collective), and as NCCL's are on a GPU (tests/faults.py's NcclGroup: the first collective blocks
+# until every rank has made one, wait() returns at once, a broken collective never completes): the same
+# reports within the same bounds
+WAITS = [pytest.param([], id="gloo"), pytest.param(["--nccl"], id="nccl")]
+
+
+@pytest.mark.parametrize("where, waits", [("before", []), ("after", ["--nccl"])], ids=["before-gloo", "after-nccl"])
+def test_an_engine_that_never_joins_the_weight_group_is_stopped(tmp_path, where, waits):
+    """The engine hangs before the weight group's rendezvous, or after it (before its first collective,
+    where NCCL makes its communicator: the trainer's first collective waits for it, lazily, for ever): the
+    trainer, which forms the group and makes its first collective watched, stops it within the stall
+    bound and reports its stack, instead of waiting out the group's 1 h timeout (or, on NCCL, for ever)."""
+    proc = start_train(
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "3",
+        "--stall-s",
+        "10",
+        *SMALL,
+        faults=["--stall-in-group", where, *waits],
+    )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, (out[-2000:], err[-3000:])
     assert "generator stalled: alive but not in the weight group for 10s" in err, err[-3000:]
-    assert "in stall_test_hook" in err
+    assert "in hang_forever" in err
     time.sleep(1)
     assert not session_left(proc.pid)
 
 
-# the weight group's waits as they are on CPU (gloo's: wait() blocks, a dead peer fails the collective),
-# and as NCCL's are on a GPU (system.push.nccl_wait_test_hook): the same reports within the same bounds
-WAITS = [pytest.param({}, id="gloo"), pytest.param({"INFLIGHT_TEST_NCCL_WAITS": "1"}, id="nccl-waits")]
+def test_an_engine_that_dies_in_the_weight_group_is_named(tmp_path):
+    """The engine killed (-9) after the weight group's rendezvous, before its first collective, under the
+    NCCL-semantics group (the trainer's first collective, which makes the communicator, would wait for it
+    for ever): the trainer names it, dead."""
+    t0 = time.time()
+    proc = start_train(
+        "--out", str(tmp_path / "run"), "--steps", "3", "--stall-s", "10", *SMALL, faults=["--die-in-group", "--nccl"]
+    )
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, (out[-2000:], err[-3000:])
+    # named as dead, not as stalled: within the 10 s bound (gloo's error, if it came first, in brackets)
+    assert "train.py: generator process died while the weight group formed" in err, err[-3000:]
+    assert "(exit code -9)" in err and "generator stalled" not in err
+    print(f"{time.time() - t0:.0f}s from the start")
+    time.sleep(1)
+    assert not session_left(proc.pid)
 
 
 @pytest.mark.parametrize("waits", WAITS)
 def test_a_push_cut_halfway_stops_the_engine(tmp_path, waits):
-    """The trainer killed (-9) once it has sent half the tensors of the push of v1 (the test
-    hook): the engine, its layers half loaded (vLLM would put the old tensors back into the
+    """The trainer killed (-9) once it has sent half the tensors of the push of v1 (tests/faults.py):
+    the engine, its layers half loaded (vLLM would put the old tensors back into the
     layers that got nothing), does not go back to sampling: the push fails there, says so,
     and the process ends. (An engine that took the broken push as complete would exit
     quietly once it saw its trainer gone; one that kept waiting would hold stderr open.)"""
-    env = dict(os.environ, INFLIGHT_TEST_DIE_IN_PUSH="1", **waits)
-    proc = start_train("--out", str(tmp_path / "run"), "--steps", "3", *SMALL, env=env)
+    proc = start_train("--out", str(tmp_path / "run"), "--steps", "3", *SMALL, faults=["--die-in-push", "1", *waits])
     out, err = proc.communicate(timeout=600)  # returns once the generator, which shares stderr, has exited
     assert proc.returncode == -signal.SIGKILL, (out[-2000:], err[-3000:])
     assert "the push of v1 broke after" in err and "half loaded, so it stops" in err, err[-3000:]
@@ -405,15 +553,25 @@ def test_a_push_cut_halfway_stops_the_engine(tmp_path, waits):
 
 @pytest.mark.parametrize("waits", WAITS)
 def test_push_watchdog_names_the_engine_that_never_joined(tmp_path, waits):
-    """Two engines; engine 1 hangs before it joins the push of v1 (the test hook) while
-    engine 0 waits in the push for it: the watchdog stops engine 1 and names it alone."""
-    env = dict(os.environ, INFLIGHT_TEST_STALL_AT_PUSH="1", INFLIGHT_TEST_STALL_ENGINE="1", **waits)
+    """Two engines; engine 1 hangs before it joins the push of v1 (tests/faults.py) while
+    engine 0 waits in the push for it: the watchdog stops engine 1 and names it alone. (On NCCL
+    this push was the group's first collective once, which the trainer made unwatched: it waited
+    for engine 1 for ever.)"""
     proc = start_train(
-        "--out", str(tmp_path / "run"), "--steps", "3", "--stall-s", "10", "--engines", "2", *SMALL, env=env
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "3",
+        "--stall-s",
+        "10",
+        "--engines",
+        "2",
+        *SMALL,
+        faults=["--stall-at-push", "1", "--engine", "1", *waits],
     )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, (out[-2000:], err[-3000:])
     assert "generator engine 1 stalled: alive but not taking new weights for 10s" in err, err[-3000:]
-    assert "generator engine 0 stalled" not in err and "in stall_test_hook" in err
+    assert "generator engine 0 stalled" not in err and "in hang_forever" in err
     time.sleep(1)
     assert not session_left(proc.pid)

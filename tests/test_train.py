@@ -270,8 +270,12 @@ def test_gpu_check_on_cpu(tmp_path):
     """tools/gpu_check.py, the GPU user's first command, run here with the tiny model and
     its multi-GPU checks, every check it has: the device layout, the sync check to 2
     engines, a regime under torchrun with 2 trainer ranks and 2 engines, and the push
-    against a raw broadcast (bench_sync.py, 3 rounds: its memory against the plan checked,
-    its ms ratio printed, not checked, as every timing in the suite), pass; that regime's run directory
+    against a raw broadcast (bench_sync.py --only sync, 3 rounds: its memory against the plan
+    checked, its ms ratio printed, not checked, as every timing in the suite), pass, within
+    their deadline, with every weight group's collectives as NCCL's on a GPU (tests/faults.py
+    --nccl, in every process: the first collective blocks until every rank has made one, wait()
+    returns at once; bench_sync's raw receiver left once its receives were queued, and its
+    trainer's last round waited for ever). That regime's run directory
     is then checked as test_smoke.py checks a run (tests/helpers.py's check_run): train.py
     end to end with 2 ranks and 2 engines (the other regimes and a resume under torchrun:
     test_smoke.py, tests/test_ranks.py). Its checks' tensor code on faked devices:
@@ -281,6 +285,9 @@ def test_gpu_check_on_cpu(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
+            os.path.join(ROOT, "tests", "faults.py"),
+            "--nccl",
+            "--",
             os.path.join(ROOT, "tools", "gpu_check.py"),
             "--model",
             "tiny",
@@ -298,6 +305,8 @@ def test_gpu_check_on_cpu(tmp_path):
             "3",
             "--sync-target",  # the tiny model's push takes ms: timed here, a loaded machine decides the ratio
             "inf",  # (CI missed 1.2x once, 0.020 s vs 0.015 s); bench_sync.py alone checks it
+            "--deadline-s",
+            "400",
         ],
         capture_output=True,
         text=True,

@@ -51,18 +51,29 @@ SYNC_TARGET, GENERATE_TARGET = 1.2, 0.95
 
 def raw_receiver(host, port, backend, specs, rounds):
     """The baseline's receiving end: join a two-member group and receive, nothing else.
-    On CPU it keeps to the cores the generator gets, as vLLM's worker does."""
+    On CPU it keeps to the cores the generator gets, as vLLM's worker does. It returns once
+    the last broadcast has arrived: on NCCL, wait() returns once a receive is queued, and a
+    process that left then would leave the trainer's last round waiting for ever."""
     import torch
-    from system.push import init_weight_group
+    from system.push import first_collective, init_weight_group, wait
     from system.generator import keep_to_gen_cores
 
     keep_to_gen_cores()
-    group = init_weight_group(host, port, 1, 2, backend)
+    trainer = os.getppid()
+
+    def check():  # for the waits: the trainer (bench_sync's process) is gone
+        if os.getppid() != trainer:
+            raise RuntimeError("bench_sync's trainer is gone")
+
     device = "cuda" if backend == "nccl" else "cpu"
+    group = init_weight_group(host, port, 1, 2, backend)
+    first_collective(group, device, check)  # NCCL's communicator (system.push.first_collective)
     buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, dtype, shape in specs]
     for _ in range(rounds):  # into the same buffers each round, as the generator's worker does
         for t in buffers:
-            group.broadcast(t, root=0).wait()
+            work = group.broadcast(t, root=0)
+            work.wait()  # gloo: until it has arrived; NCCL: orders the stream after it
+    wait(group, work, check)  # the last has arrived, and on NCCL's one stream every one before it
 
 
 class MallInfo2:
@@ -191,7 +202,7 @@ def bench_sync(args):
     from transformers import AutoConfig, AutoModelForCausalLM
     import system.handle
     from system.handle import GeneratorHandle, spawn_with_env
-    from system.push import init_weight_group
+    from system.push import first_collective, init_weight_group, wait
     from system.ranks import weight_specs
     from system.preflight import engine_plan
     from system.devices import prepare
@@ -265,17 +276,26 @@ def bench_sync(args):
         raw_receiver,  # same device placement as the generator
         ("127.0.0.1", port, cfg["sync_backend"], weight_specs(sd), args.rounds + 1),
     )
+    print("  sync: the raw receiver joins", flush=True)  # a stage gpu_check names if its deadline passes here
+
+    def receiver_failed():  # for the waits (it exits 0 once its last receive has arrived)
+        if not proc.is_alive() and proc.exitcode != 0:
+            raise RuntimeError(f"bench_sync's raw receiver exited (exit code {proc.exitcode})")
+
     group = init_weight_group("127.0.0.1", port, 0, 2, cfg["sync_backend"])
-    send = [t.detach().to(device if cfg["sync_backend"] == "nccl" else "cpu").contiguous() for t in sd.values()]
+    transfer = device if cfg["sync_backend"] == "nccl" else "cpu"
+    first_collective(group, transfer, receiver_failed)
+    send = [t.detach().to(transfer).contiguous() for t in sd.values()]
 
     def raw_broadcast():
         for t in send:
-            group.broadcast(t, root=0).wait()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+            work = group.broadcast(t, root=0)
+            work.wait()  # gloo: until it has gone out; NCCL: orders the stream after it
+        wait(group, work, receiver_failed)  # the last has completed (NCCL: and every one before it, one stream)
 
     generator_main = system.handle.generator_main
     system.handle.generator_main = heap_probed_generator  # what GeneratorHandle spawns, for this run
+    print("  sync: the generator starts", flush=True)
     try:
         gen = GeneratorHandle(cfg, [env])
     finally:
@@ -329,10 +349,12 @@ def bench_sync(args):
         heap.append(heap_line())
         return took
 
+    print("  sync: warm-up", flush=True)
     watched_push()  # warm-up, both
     raw_broadcast()
     push, raw, whole = [], [], []
-    for _ in range(args.rounds):  # alternate, so all meet the same machine; both receivers idle between
+    for i in range(args.rounds):  # alternate, so all meet the same machine; both receivers idle between
+        print(f"  sync: round {i + 1} of {args.rounds}", flush=True)
         push.append(watched_push())
         time.sleep(1)
         t0 = time.time()

@@ -22,6 +22,8 @@ experiment the way the CPU tests say it does? One screen, pass/fail per check.
    generation and training tokens/s, the trainer's peak memory, vLLM's KV.
 3. a weight push against a raw broadcast of the same bytes, and the memory it holds in
    the engine against its plan (bench_sync.py --only sync; --bench-rounds, 5: their medians).
+Checks 2 and 3 run programs: each has --deadline-s (20 min), past which it is stopped and its
+check fails with the last line it printed (the stage it was in).
 It needs nothing from this repository beyond the code.
 """
 
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -190,13 +193,15 @@ def check_regime(args, regime):
     ]
     shutil.rmtree(out, ignore_errors=True)  # a run directory appends: start from none
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        return False, f"exit {r.returncode}: {(r.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+    code, stdout, stderr = run_program(cmd, args.deadline_s)
+    if code is None:
+        return False, missed(args.deadline_s, stdout, stderr)
+    if code != 0:
+        return False, f"exit {code}: {(stderr.strip().splitlines() or ['?'])[-1][:200]}"
     with open(os.path.join(out, "metrics.jsonl")) as f:
         m = [json.loads(line) for line in f]
     cfg = json.load(open(os.path.join(out, "config.json")))
-    kv = next((line for line in r.stdout.splitlines() if line.startswith("vLLM KV cache")), "vLLM KV cache: ?")
+    kv = next((line for line in stdout.splitlines() if line.startswith("vLLM KV cache")), "vLLM KV cache: ?")
     problems = []
     if [x["version"] for x in m] != list(range(len(m))):
         problems.append("versions not consecutive")
@@ -243,15 +248,36 @@ def check_push(args):
         "--train-device",
         args.train_device or "auto",
     ] + (["--sync-target", str(args.sync_target)] if args.sync_target is not None else [])
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    lines = r.stdout.splitlines()
+    code, stdout, stderr = run_program(cmd, args.deadline_s)
+    if code is None:
+        return False, missed(args.deadline_s, stdout, stderr)
+    lines = stdout.splitlines()
     sync = next((x for x in lines if x.startswith("weight sync")), None)
     memory = next((x for x in lines if x.startswith("push memory")), None)
     if sync is None or memory is None:
-        return False, f"exit {r.returncode}: {(r.stderr.strip().splitlines() or ['?'])[-1][:200]}"
-    return r.returncode == 0, f"{sync.split(': ', 1)[1]}; {memory}" + (
-        f"; {r.stderr.strip().splitlines()[-1]}" if r.returncode else ""
-    )
+        return False, f"exit {code}: {(stderr.strip().splitlines() or ['?'])[-1][:200]}"
+    return code == 0, f"{sync.split(': ', 1)[1]}; {memory}" + (f"; {stderr.strip().splitlines()[-1]}" if code else "")
+
+
+def run_program(cmd, deadline_s):
+    """cmd (train.py, bench_sync.py) to its end, or killed with every process of its session once
+    `deadline_s` seconds have passed: a program that hangs (on NCCL a dead peer hangs a collective
+    until the group's timeout, 1 h) fails its check instead of holding this one. Returns (exit code,
+    None at the deadline; stdout; stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its engines and receivers are in its session (torchrun's ranks
+        return None, *proc.communicate()  # follow their launcher: system/ranks.py)
+    return proc.returncode, out, err
+
+
+def missed(deadline_s, stdout, stderr):
+    """What a program that missed its deadline was doing: the last line it printed (train.py and
+    bench_sync.py print a line as each stage starts)."""
+    last = (stdout.strip().splitlines() or stderr.strip().splitlines() or ["nothing"])[-1].strip()
+    return f"still running after {deadline_s:.0f} s (--deadline-s), stopped; the last it printed: {last[:200]}"
 
 
 def main(argv=None):
@@ -270,6 +296,12 @@ def main(argv=None):
     p.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
     p.add_argument("--skip-bench", action="store_true", help="skip check 3 (push vs raw broadcast)")
     p.add_argument("--bench-rounds", type=int, default=5, help="check 3: pushes and raw broadcasts, their medians")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=1200,
+        help="checks 2 and 3: seconds each train.py or bench_sync.py run may take before it is stopped and fails",
+    )
     p.add_argument(
         "--sync-target",
         type=float,

@@ -7,6 +7,7 @@ on the project's own code every grader passes.
 """
 
 import ast
+import builtins
 import keyword
 import os
 import re
@@ -132,11 +133,12 @@ SHARED = {
 @pytest.mark.parametrize("name", sorted(EXERCISES))
 def test_no_line_make_removes_stands_in_the_copy(name, tmp_path):
     """Beside the normalised statements above, the lines themselves: no line `make` takes
-    out (the exercise's, a later function exercise's) stands in any file of the copy, tools
-    and docs included, as it is or within a longer statement (the generator process once
-    wrote max_lag's budget and KV term again, with more terms: a superset of the answer's
-    statements, not a copy, and a search for the removed lines finds it). SHARED: the lines
-    the lesson has elsewhere on purpose."""
+    out (the exercise's, a later function exercise's) stands as it is, stripped, in any text
+    file of the copy, docs and data included (the generator process once wrote max_lag's
+    budget and KV term again, with more terms: a superset of the answer's statements, not a
+    copy, and a search for the removed lines finds it). Within a longer statement:
+    test_no_expression_of_an_answer_stands_in_the_copy. SHARED: the lines the lesson has
+    elsewhere on purpose."""
     copy = tmp_path / "copy"
     make(name, str(copy))
     lines = copy_lines(copy)
@@ -147,6 +149,132 @@ def test_no_line_make_removes_stands_in_the_copy(name, tmp_path):
         removed = [x for x in removed if x not in shared]
         assert removed, f"{n}: no line of its answer says anything: this test would check nothing"
         assert not (found := [x for x in removed if x in lines]), f"the copy of {name} holds {n}'s {found}"
+
+
+MIN_NODES = 8  # an expression this big says something: `b * layer * L` (7) is ordinary, `ppo_clip(...)`'s call (8) not
+# Expressions of an answer the lesson writes elsewhere too, on purpose, each where (as SHARED,
+# for expressions within longer statements); the test checks that each is still shared.
+SHARED_EXPRESSIONS = {
+    "loss": {"torch.exp(logp.detach() - mu)": "grpo.loss_cispo"},
+    "correction": {'ppo_clip(logp, old, adv, cfg["clip_eps"])': "grpo.loss_ppo, loss_geo"},
+    "record": {"len(self.prompt_ids) + len(self.tokens)": "engine.Rollout.prefill_tokens"},
+    "silent_behaviour": {'torch.cat([s["logprobs"] for s in mb])': "tools/gpu_check.py (the engine's mu)"},
+}
+
+
+def shape(node, keep, names):
+    """An AST as a string, normalised: its local names renamed v0, v1, ... in order of
+    appearance (so `x - x.mean()` is `r - r.mean()`); the names of `keep` (modules, builtins,
+    the module's functions), attributes, keywords and constants as they are."""
+    if isinstance(node, ast.Name):
+        return node.id if node.id in keep else f"v{names.setdefault(node.id, len(names))}"
+    if isinstance(node, ast.arg):
+        return f"v{names.setdefault(node.arg, len(names))}"
+    if isinstance(node, ast.AST):
+        fields = (shape(getattr(node, f, None), keep, names) for f in node._fields if f != "ctx")
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return f"[{','.join(shape(x, keep, names) for x in node)}]"
+    return repr(node)
+
+
+def big_expressions(tree):
+    """Every expression of an AST with MIN_NODES nodes or more (a Load or Store not counted)."""
+    size, out = {}, []
+    for node in reversed(list(ast.walk(tree))):  # children before their parents
+        kids = sum(size[c] for c in ast.iter_child_nodes(node))
+        size[node] = kids + (not isinstance(node, ast.expr_context))
+        if isinstance(node, ast.expr) and size[node] >= MIN_NODES:
+            out.append(node)
+    return out
+
+
+def kept_names():
+    """What shape() keeps: builtins and the top-level names of every module an exercise is in."""
+    names = set(dir(builtins))
+    for path in {ex["where"][0] if "where" in ex else ex["silent"][0] for ex in EXERCISES.values()}:
+        for node in ast.parse(open(os.path.join(ROOT, path)).read()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names |= {x.id for x in ast.walk(target) if isinstance(x, ast.Name)}
+    return frozenset(names)
+
+
+def answer_tree(name):
+    """An exercise's answer as an AST: its function's body (the docstring left out), or a silent bug's right line."""
+    ex = EXERCISES[name]
+    if "silent" in ex:
+        return ast.parse(ex["silent"][1].strip())
+    fn = find(ast.parse(open(os.path.join(ROOT, ex["where"][0])).read()), ex["where"][1])
+    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    return ast.Module(body=body, type_ignores=[])
+
+
+def leaks(copy, name):
+    """Where the copy of exercise `name` holds an expression of MIN_NODES nodes or more of its
+    answer or a later function exercise's, in any .py file, whatever statement it stands in and
+    whatever its local names (SHARED_EXPRESSIONS aside): [(exercise, expression, file:line)].
+    Checks that each shared expression is still an answer's and still in the copy."""
+    keep, found = kept_names(), {}
+    for d, dirs, files in os.walk(copy):
+        dirs[:] = [x for x in dirs if x not in SKIP]
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                for node in big_expressions(ast.parse(open(path).read())):
+                    found.setdefault(shape(node, keep, {}), f"{os.path.relpath(path, copy)}:{node.lineno}")
+    out = []
+    for n in [name, *later(name)]:
+        answer = {shape(node, keep, {}): node for node in big_expressions(answer_tree(n))}
+        shared = {shape(ast.parse(x, mode="eval").body, keep, {}) for x in SHARED_EXPRESSIONS.get(n, {})}
+        assert shared <= set(answer) and shared <= set(found), f"{n}: SHARED_EXPRESSIONS lists one not shared"
+        out += [(n, ast.unparse(node), found[k]) for k, node in answer.items() if k in found and k not in shared]
+    return out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_no_expression_of_an_answer_stands_in_the_copy(name, tmp_path):
+    """No expression of the answer (its exercise's, a later function exercise's) stands in
+    any .py file of the copy within a longer statement, by its AST: an expression of eight
+    nodes or more, its local names renamed (lab/study.py once computed GRPO's advantages
+    with the `advantages` answer's expression, then `.to(device)`, a line no line search
+    finds: test_the_leak_test_finds_an_answer_in_a_longer_statement)."""
+    copy = tmp_path / "copy"
+    make(name, str(copy))
+    assert not (found := leaks(str(copy), name)), f"the copy of {name} holds {found}"
+
+
+@pytest.mark.fast
+def test_the_leak_test_finds_an_answer_in_a_longer_statement(tmp_path):
+    """lab/study.py's old advantages, put back into a copy of the `advantages` exercise: the
+    answer's expression with .to(device) after it, which no removed line matches; and again
+    with other names, inside a sum."""
+    copy = tmp_path / "copy"
+    make("advantages", str(copy))
+    study = str(copy / "lab" / "study.py")
+    now = 'adv = advantages(rewards, cfg["group_size"]).to(device)'
+    old = (
+        'r = rewards.view(-1, cfg["group_size"])\n'
+        "    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1).to(device)"
+    )
+    renamed = (
+        "x = rewards.view(4, -1)\n    t = 2 * ((x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + 1e-4)).sum()"
+    )
+    assert not leaks(str(copy), "advantages")
+    replace(study, now, old)
+    assert not set(answer("advantages")) & copy_lines(copy)  # the line test passes it
+    assert {(n, where.split(":")[0]) for n, _, where in leaks(str(copy), "advantages")} == {
+        ("advantages", "lab/study.py")
+    }
+    replace(study, old, now + "\n    " + renamed)
+    assert {(n, where.split(":")[0]) for n, _, where in leaks(str(copy), "advantages")} == {
+        ("advantages", "lab/study.py")
+    }
 
 
 def test_a_written_copy_runs_its_lesson(tmp_path):

@@ -398,6 +398,18 @@ def test_every_accepted_variant_passes_every_grader(name, accepted_graded):
 
 
 @pytest.mark.fast
+def test_every_grader_is_a_test_of_the_suite():
+    """Each grader an exercise lists (and each cheap one) names a test function of its file: a
+    test renamed or removed is found here in a second, not as every grade failing (the
+    advantages exercise once listed a test of lesson.py's step that had gone)."""
+    graders = {g for ex in EXERCISES.values() for g in ex["graders"]} | {g for gs in CHEAP.values() for g in gs}
+    for g in sorted(graders):
+        path, *names = g.split("::")
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        assert names[-1].split("[")[0] in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, g
+
+
+@pytest.mark.fast
 def test_the_cheap_graders_are_the_exercises_and_pass():
     """CHEAP: for each exercise, graders of its own; for code beside the exercises (the
     generator process's bound), its by-hand test. All pass on the project."""

@@ -38,12 +38,12 @@ EXERCISES = {
         where=("grpo.py", "advantages"),
         run="",
         task="GRPO's advantage: each answer's reward minus its group's mean, over its group's std + 1e-4, the "
-        "unbiased std (divided by group_size - 1, torch's default); a group of equal rewards gets 0",
+        "unbiased std (divided by group_size - 1, torch's default); a group of equal rewards gets 0; return a tensor "
+        "of rewards' shape and dtype (float32)",
         hint="rewards arrive group after group: view them as (groups, group_size)",
         graders=[
             "tests/test_train.py::test_advantages_by_hand",
             "tests/test_graders.py::test_advantages_of_a_group_of_two_and_of_equal_rewards",
-            "tests/test_lesson.py::test_the_step_is_train_pys",
         ],
     ),
     "loss": dict(
@@ -82,9 +82,10 @@ EXERCISES = {
         where=("grpo.py", "m2po_cutoff"),
         run=" --loss m2po",
         stand_in=("masks no token (returns inf)", "import math\n\nreturn math.inf"),
-        task="M2PO's mask over a step's tokens, m2 (N,) their (log pi_old/mu)^2: mask the largest, one at a time, "
-        "until the mean of those left is below tau (at least one is kept); return the largest value kept (a token "
-        "tied with it is kept too), or inf if none is masked",
+        task="M2PO's mask over a step's tokens, m2 (N,) their (log pi_old/mu)^2: sorted largest first (s), mask the k "
+        "largest for the least k at which the mean of the rest, s[k:], is below tau (k at most N - 1: one is kept); "
+        "return s[k], the largest value kept, or inf if k is 0. Ties are read by value: the loss keeps every token at "
+        "or below s[k], so a token tied with s[k] is kept even if k counted it (the mean kept can then be tau or more)",
         hint="sort once, largest first; the mean of what is left after masking k tokens is a mean of a suffix",
         graders=[
             "tests/test_losses.py::test_m2po_masks_the_largest_until_the_rest_is_under_tau",

@@ -8,9 +8,11 @@ on the project's own code every grader passes.
 
 import ast
 import builtins
+import json
 import keyword
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections import Counter
@@ -277,29 +279,115 @@ def test_the_leak_test_finds_an_answer_in_a_longer_statement(tmp_path):
     }
 
 
-def test_a_written_copy_runs_its_lesson(tmp_path):
-    """The copy of the first exercise (advantages: every later function exercise has its
-    stand-in there, tools/exercise.py's EXERCISES), the project's answer written into it: the
-    copy's own lesson.py --preset long runs 4 steps end to end with the copy's .venv, as
-    EXERCISE.md tells the student (--eval-every 0: the two 512-problem evaluations would be
-    most of its time). A stub left in a later exercise's place raises NotImplementedError at
-    the first admission, loss or switch. The other exercises' copies run the same way (by
-    hand: issue 60's note)."""
-    import json
+# a short lesson run, to see that a command runs: one step, so one push, which costs time (on
+# two-operation problems some groups hold right and wrong answers, so the step trains tokens: a
+# push that costs nothing lands before the generator admits more, and sync's switch passes
+# whatever the bound); and a run long enough for a silent bug's symptom (advantages, stale tokens)
+SHORT = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "2"]
+SHORT += ["--eval-every", "0", "--no-plot"]
+SYMPTOM = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--no-plot"]
+# lesson.main for each (tree, flags) of argv[1], in one Python that made one engine for all
+# (lesson.main's `engine`: each run loads its own starting weights; the runs' settings give
+# one engine's): each run imports its tree's modules (those of the last tree dropped from
+# sys.modules), the libraries once. Writes each run's traceback, or None, to argv[2].
+RUNS = """
+import json, os, sys, traceback
+jobs, engine, results = json.loads(sys.argv[1]), None, []
+for tree, flags in jobs:
+    own = {f[:-3] for f in os.listdir(tree) if f.endswith(".py")} | {"system", "tools", "lab"}
+    for m in [m for m in sys.modules if m.split(".")[0] in own]:
+        del sys.modules[m]
+    os.chdir(tree)
+    sys.path[0] = tree
+    try:
+        import lesson
+        if engine is None:
+            from engine import make_engine
+            engine = make_engine(lesson.parse_config(flags))
+        lesson.main(flags, engine=engine)
+        results.append(None)
+    except BaseException:
+        results.append(traceback.format_exc()[-2000:])
+json.dump(results, open(sys.argv[2], "w"))
+"""
 
+
+def exercise_md_commands(copy):
+    """The commands a copy's EXERCISE.md gives, split as a shell would: [argv]."""
+    return [shlex.split(c) for c in re.findall(r"`(\.venv/bin/python [^`]*)`", (copy / "EXERCISE.md").read_text())]
+
+
+def lesson_runs(flags):
+    """The runs that show a copy runs every regime and pool: its command's flags as they are,
+    then with each other regime, and with the other pool: [(label, flags)]."""
+    import argparse
+
+    import config
+
+    p = argparse.ArgumentParser()
+    config.add_flags(p, "lesson")
+    cfg = vars(p.parse_known_args(flags)[0])
+    runs = [("EXERCISE.md", flags)] + [(r, [*flags, "--regime", r]) for r in config.REGIMES if r != cfg["regime"]]
+    return runs + [(f"--pool {x}", [*flags, "--pool", x]) for x in ("fifo", "pace") if x != cfg["pool"]]
+
+
+def test_every_copy_runs_its_exercise_md_and_every_regime(tmp_path):
+    """Each exercise's copy, its answer written in (restore; a silent bug's copy as made): the
+    lesson command its EXERCISE.md gives runs, and so does each regime and the other pool
+    with its flags (each a short run, SHORT after them: the max_lag stand-in once crashed
+    sync at its first push that cost time; each sync run's push here does). A silent bug's
+    command shows its symptom (a longer run, SYMPTOM): against the same run of the project,
+    silent_stale's stale share is lower (under the default regime, recompute, both would be
+    0) and silent_behaviour's behaviour_gap is 0. Each EXERCISE.md's check command names its
+    exercise and its copy, and the pace copy's, run from the project as given, passes every
+    grader. The runs in one process, one engine (RUNS)."""
     from tools.exercise import restore
 
-    copy, out = tmp_path / "copy", tmp_path / "run"
-    make("advantages", str(copy))
-    assert "lesson.py --preset long" in (copy / "EXERCISE.md").read_text()
-    restore(str(copy), "advantages")  # as if the student had written it
-    flags = ["--preset", "long", "--steps", "4", "--eval-every", "0", "--no-plot", "--out", str(out)]
+    jobs, labels = [], []
+    for name in EXERCISES:
+        copy = tmp_path / name
+        make(name, str(copy))
+        commands = exercise_md_commands(copy)
+        runs = [argv[2:] for argv in commands if argv[:2] == [".venv/bin/python", "lesson.py"]]
+        checks = [argv for argv in commands if argv[:2] == [".venv/bin/python", "tools/exercise.py"]]
+        assert len(runs) == 1 and len(commands) == 2, commands
+        assert checks == [[".venv/bin/python", "tools/exercise.py", "check", name, str(copy)]], checks
+        if "where" in EXERCISES[name]:
+            restore(str(copy), name)  # as if the student had written it
+        silent = "silent" in EXERCISES[name]
+        for label, flags in lesson_runs(runs[0]):
+            short = SYMPTOM if silent and label == "EXERCISE.md" else SHORT
+            jobs.append((str(copy), [*flags, *short, "--out", str(tmp_path / "runs" / str(len(jobs)))]))
+            labels.append((name, label))
+        if silent:  # the same run of the project's code
+            jobs.append((ROOT, [*runs[0], *SYMPTOM, "--out", str(tmp_path / "runs" / str(len(jobs)))]))
+            labels.append((name, "the project"))
+    report = tmp_path / "runs.json"
     r = subprocess.run(
-        [str(copy / ".venv" / "bin" / "python"), "lesson.py", *flags], cwd=copy, capture_output=True, text=True
+        [sys.executable, "-c", RUNS, json.dumps(jobs), str(report)], capture_output=True, text=True, cwd=tmp_path
     )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    steps = [m["step"] for m in map(json.loads, open(out / "metrics.jsonl")) if "loss" in m]
-    assert steps == [1, 2, 3, 4], steps
+    assert r.returncode == 0 and report.exists(), r.stdout[-2000:] + r.stderr[-3000:]
+    failed = {labels[i]: why for i, why in enumerate(json.loads(report.read_text())) if why}
+    assert not failed, "\n".join(f"{name}, {label}:\n{why}" for (name, label), why in failed.items())
+
+    def metrics(name, label):
+        out = jobs[labels.index((name, label))][1][-1]
+        return [m for m in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "loss" in m]
+
+    costly = {name: metrics(name, "sync")[0]["run_tokens"] for name in EXERCISES}
+    assert all(costly.values()), f"a sync run whose push cost no time shows nothing: {costly}"
+
+    def stale(name, label):
+        return sum(m["stale_token_frac"] * m["trained_tokens"] for m in metrics(name, label))
+
+    assert 0 < stale("silent_stale", "EXERCISE.md") < stale("silent_stale", "the project")
+    assert all(m["behaviour_gap"] == 0 for m in metrics("silent_behaviour", "EXERCISE.md"))
+    assert sum(m["behaviour_gap"] for m in metrics("silent_behaviour", "the project")) > 0
+    check_pace = subprocess.run(
+        exercise_md_commands(tmp_path / "pace")[-1], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    n = len(EXERCISES["pace"]["graders"])
+    assert check_pace.returncode == 0 and f"{n}/{n} graders pass" in check_pace.stdout, check_pace.stdout
 
 
 def test_a_course_copy_stubs_every_exercise_and_grades_each_alone(tmp_path):

@@ -146,10 +146,10 @@ EXERCISES = {
         ),
         task="admit a group only if it is trained at most max_lag versions after the weights that start it: "
         "self.next_group (groups are numbered from 0 in admission order) below (self.version + max_lag + 1) x "
-        "prompts_per_step + self.budget_offset (0 in the lesson; the generator process's resume and rejected "
-        "groups); only while self.admitting; and only while the KV cache, which holds self.kv_answers answers, has "
-        "room for one more group (group_size answers) beside those in flight (self.inflight). max_lag, "
-        "prompts_per_step and group_size are in self.cfg",
+        "prompts_per_step + self.budget_offset (the groups the pool has rejected, which leave their places to new "
+        "ones; in the generator process a resumed run's too); only while self.admitting; and only while the KV "
+        "cache, which holds self.kv_answers answers, has room for one more group (group_size answers) beside those "
+        "in flight (self.inflight). max_lag, prompts_per_step and group_size are in self.cfg",
         hint="the pool trains groups in admission order: batch b (groups b x P to b x P + P - 1) by step b + 1, "
         "with version b",
         graders=[

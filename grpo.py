@@ -354,10 +354,11 @@ def m2po_moment(old, mu):
 
 
 def m2po_cutoff(m2, tau):
-    """M2PO's mask over a step's tokens, m2 (N,) their m2po_moment: the largest are masked, one
-    at a time, until the mean of those left is below tau. Returns the largest value kept
-    (tokens at or below it train; a token tied with it is kept too), inf if none is masked; at
-    least one token is kept, as in AReaL's _get_m2po_loss_mask."""
+    """M2PO's mask over a step's tokens, m2 (N,) their m2po_moment: sorted largest first (s), the
+    k largest are masked for the least k at which the mean of the rest, s[k:], is below tau (at
+    least one token is kept, as in AReaL's _get_m2po_loss_mask). Returns s[k], the largest value
+    kept, inf if k is 0. Tokens at or below it train: ties are read by value, so a token tied with
+    s[k] trains even if k counted it (the mean of what trains can then be tau or more)."""
     s = torch.sort(m2.double().flatten(), descending=True).values
     if not len(s):
         return float("inf")

@@ -234,6 +234,7 @@ def main(argv=None, engine=None):
         #    what happens to the answers in flight (drain keeps the trainer waiting until they finish)
         if push and clock.now() >= push.ready_s:
             log.trainer("syncing", t=push.ready_s)
+            gen.budget_offset = pool.n_rejected  # a rejected group leaves its place to a new one, as in train.py
             if regime.switch(gen, push.version, model.state_dict()):
                 now, m = clock.now(), push.metrics
                 # train.py's trainer goes on once the engine joins the push, when its load begins (the

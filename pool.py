@@ -9,7 +9,8 @@ being written rather than let later groups overtake it. That is what makes
 --max-lag a bound: the generator admits group g only once g < (versions loaded +
 max_lag + 1) x prompts_per_step (engine.Generator.may_admit), and taken in order,
 g is trained at most max_lag versions after the weights that started it. Groups the
-pool rejected do not count in g: each leaves its place to a new one, so a generator
+pool rejected do not count in g: each leaves its place to a new one (the trainer tells
+the generator how many with each push, in lesson.py as in train.py), so a generator
 faster than the trainer keeps the pool above PACE's target, and PACE keeps rejecting
 (counted as admitted, as before, the pool could exceed the target only once). (AReaL
 and SkyRL bound admission the same way but consume in completion order, so a long

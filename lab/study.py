@@ -140,12 +140,11 @@ def update(model, samples, problems, tokenizer, cfg, device):
     Returns the rewards."""
     import torch
     from reward import score
-    from grpo import answer_logprobs, micro_batches, token_weights, train_step
+    from grpo import advantages, answer_logprobs, micro_batches, token_weights, train_step
 
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in samples], skip_special_tokens=True)
     rewards = torch.tensor([score(t, problems[s["prompt"]]["answer"], cfg["dataset"]) for t, s in zip(texts, samples)])
-    r = rewards.view(-1, cfg["group_size"])
-    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1).to(device)
+    adv = advantages(rewards, cfg["group_size"]).to(device)  # GRPO's, as the lesson and train.py compute them
     if not adv.any():
         print("warning: every group's answers got the same reward: the update is zero and v+1 == v")
     with torch.no_grad():  # behaviour policy mu = v itself, as if sampled on-policy by the generator

@@ -16,6 +16,7 @@ MUTANTS = {
         ("groups of 4", "grpo.py", "r = rewards.view(-1, group_size)", "r = rewards.view(-1, 4)"),
         ("transposed groups", "grpo.py", "r = rewards.view(-1, group_size)", "r = rewards.view(group_size, -1)"),
         ("sign flip", "grpo.py", "(r - r.mean(1, keepdim=True))", "(r.mean(1, keepdim=True) - r)"),
+        ("returned in float64", "grpo.py", "+ 1e-4)).view(-1)\n", "+ 1e-4)).view(-1).double()\n"),
     ],
     "loss": [
         (
@@ -290,6 +291,15 @@ ACCEPTED = {
             "    d = r - r.mean(1, keepdim=True)\n    std = (d.pow(2).sum(1, keepdim=True) / (group_size - 1)).sqrt()\n"
             "    return (d / (std + 1e-4)).reshape(-1)\n",
         ),
+        (
+            "computed in float64, returned in the rewards' dtype",
+            "grpo.py",
+            "    r = rewards.view(-1, group_size)\n"
+            "    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)\n",
+            "    r = rewards.double().view(-1, group_size)\n"
+            "    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)\n"
+            "    return adv.flatten().to(rewards.dtype)\n",
+        ),
     ],
     "loss": [
         (
@@ -299,6 +309,16 @@ ACCEPTED = {
             'ratio > cfg["is_cap"]\n',
             '    ratio = (logp - mu).exp().detach()\n    w = torch.minimum(ratio, torch.tensor(cfg["is_cap"], '
             "dtype=ratio.dtype))\n    return -(w * adv) * logp, w < ratio\n",
+        ),
+    ],
+    "correction": [
+        (
+            "torch.where, the band's outside tested",
+            "grpo.py",
+            '    k = (old - mu).exp()\n    keep = (k >= cfg["icepop_low"]) & (k <= cfg["icepop_high"])\n'
+            "    return k * keep * surrogate, clipped | ~keep\n",
+            '    k = torch.exp(old - mu)\n    out = (k < cfg["icepop_low"]) | (k > cfg["icepop_high"])\n'
+            "    return torch.where(out, torch.zeros_like(k), k) * surrogate, clipped | out\n",
         ),
     ],
     "m2po": [
@@ -383,6 +403,23 @@ ACCEPTED = {
             "pool.py",
             "return [pool.pop(g) for g in worst]",
             "return [pool.pop(g) for g in sorted(worst)]",
+        ),
+    ],
+    # the silent bugs' right line, written another way
+    "silent_behaviour": [
+        (
+            "each answer's logprobs cast before the concatenation",
+            "grpo.py",
+            'behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)',
+            'behaviour = torch.cat([s["logprobs"].float() for s in mb]).to(device)',
+        ),
+    ],
+    "silent_stale": [
+        (
+            "the comparison the other way round",
+            "engine.py",
+            "stale, n = self.kv_version < version, len(token_ids)",
+            "stale, n = version > self.kv_version, len(token_ids)",
         ),
     ],
 }

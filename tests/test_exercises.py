@@ -7,9 +7,12 @@ on the project's own code every grader passes.
 """
 
 import ast
+import builtins
+import json
 import keyword
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections import Counter
@@ -132,11 +135,12 @@ SHARED = {
 @pytest.mark.parametrize("name", sorted(EXERCISES))
 def test_no_line_make_removes_stands_in_the_copy(name, tmp_path):
     """Beside the normalised statements above, the lines themselves: no line `make` takes
-    out (the exercise's, a later function exercise's) stands in any file of the copy, tools
-    and docs included, as it is or within a longer statement (the generator process once
-    wrote max_lag's budget and KV term again, with more terms: a superset of the answer's
-    statements, not a copy, and a search for the removed lines finds it). SHARED: the lines
-    the lesson has elsewhere on purpose."""
+    out (the exercise's, a later function exercise's) stands as it is, stripped, in any text
+    file of the copy, docs and data included (the generator process once wrote max_lag's
+    budget and KV term again, with more terms: a superset of the answer's statements, not a
+    copy, and a search for the removed lines finds it). Within a longer statement:
+    test_no_expression_of_an_answer_stands_in_the_copy. SHARED: the lines the lesson has
+    elsewhere on purpose."""
     copy = tmp_path / "copy"
     make(name, str(copy))
     lines = copy_lines(copy)
@@ -149,29 +153,241 @@ def test_no_line_make_removes_stands_in_the_copy(name, tmp_path):
         assert not (found := [x for x in removed if x in lines]), f"the copy of {name} holds {n}'s {found}"
 
 
-def test_a_written_copy_runs_its_lesson(tmp_path):
-    """The copy of the first exercise (advantages: every later function exercise has its
-    stand-in there, tools/exercise.py's EXERCISES), the project's answer written into it: the
-    copy's own lesson.py --preset long runs 4 steps end to end with the copy's .venv, as
-    EXERCISE.md tells the student (--eval-every 0: the two 512-problem evaluations would be
-    most of its time). A stub left in a later exercise's place raises NotImplementedError at
-    the first admission, loss or switch. The other exercises' copies run the same way (by
-    hand: issue 60's note)."""
-    import json
+MIN_NODES = 8  # an expression this big says something: `b * layer * L` (7) is ordinary, `ppo_clip(...)`'s call (8) not
+# Expressions of an answer the lesson writes elsewhere too, on purpose, each where (as SHARED,
+# for expressions within longer statements); the test checks that each is still shared.
+SHARED_EXPRESSIONS = {
+    "loss": {"torch.exp(logp.detach() - mu)": "grpo.loss_cispo"},
+    "correction": {'ppo_clip(logp, old, adv, cfg["clip_eps"])': "grpo.loss_ppo, loss_geo"},
+    "record": {"len(self.prompt_ids) + len(self.tokens)": "engine.Rollout.prefill_tokens"},
+    "silent_behaviour": {'torch.cat([s["logprobs"] for s in mb])': "tools/gpu_check.py (the engine's mu)"},
+}
 
+
+def shape(node, keep, names):
+    """An AST as a string, normalised: its local names renamed v0, v1, ... in order of
+    appearance (so `x - x.mean()` is `r - r.mean()`); the names of `keep` (modules, builtins,
+    the module's functions), attributes, keywords and constants as they are."""
+    if isinstance(node, ast.Name):
+        return node.id if node.id in keep else f"v{names.setdefault(node.id, len(names))}"
+    if isinstance(node, ast.arg):
+        return f"v{names.setdefault(node.arg, len(names))}"
+    if isinstance(node, ast.AST):
+        fields = (shape(getattr(node, f, None), keep, names) for f in node._fields if f != "ctx")
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return f"[{','.join(shape(x, keep, names) for x in node)}]"
+    return repr(node)
+
+
+def big_expressions(tree):
+    """Every expression of an AST with MIN_NODES nodes or more (a Load or Store not counted)."""
+    size, out = {}, []
+    for node in reversed(list(ast.walk(tree))):  # children before their parents
+        kids = sum(size[c] for c in ast.iter_child_nodes(node))
+        size[node] = kids + (not isinstance(node, ast.expr_context))
+        if isinstance(node, ast.expr) and size[node] >= MIN_NODES:
+            out.append(node)
+    return out
+
+
+def kept_names():
+    """What shape() keeps: builtins and the top-level names of every module an exercise is in."""
+    names = set(dir(builtins))
+    for path in {ex["where"][0] if "where" in ex else ex["silent"][0] for ex in EXERCISES.values()}:
+        for node in ast.parse(open(os.path.join(ROOT, path)).read()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names |= {x.id for x in ast.walk(target) if isinstance(x, ast.Name)}
+    return frozenset(names)
+
+
+def answer_tree(name):
+    """An exercise's answer as an AST: its function's body (the docstring left out), or a silent bug's right line."""
+    ex = EXERCISES[name]
+    if "silent" in ex:
+        return ast.parse(ex["silent"][1].strip())
+    fn = find(ast.parse(open(os.path.join(ROOT, ex["where"][0])).read()), ex["where"][1])
+    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    return ast.Module(body=body, type_ignores=[])
+
+
+def leaks(copy, name):
+    """Where the copy of exercise `name` holds an expression of MIN_NODES nodes or more of its
+    answer or a later function exercise's, in any .py file, whatever statement it stands in and
+    whatever its local names (SHARED_EXPRESSIONS aside): [(exercise, expression, file:line)].
+    Checks that each shared expression is still an answer's and still in the copy."""
+    keep, found = kept_names(), {}
+    for d, dirs, files in os.walk(copy):
+        dirs[:] = [x for x in dirs if x not in SKIP]
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                for node in big_expressions(ast.parse(open(path).read())):
+                    found.setdefault(shape(node, keep, {}), f"{os.path.relpath(path, copy)}:{node.lineno}")
+    out = []
+    for n in [name, *later(name)]:
+        answer = {shape(node, keep, {}): node for node in big_expressions(answer_tree(n))}
+        shared = {shape(ast.parse(x, mode="eval").body, keep, {}) for x in SHARED_EXPRESSIONS.get(n, {})}
+        assert shared <= set(answer) and shared <= set(found), f"{n}: SHARED_EXPRESSIONS lists one not shared"
+        out += [(n, ast.unparse(node), found[k]) for k, node in answer.items() if k in found and k not in shared]
+    return out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_no_expression_of_an_answer_stands_in_the_copy(name, tmp_path):
+    """No expression of the answer (its exercise's, a later function exercise's) stands in
+    any .py file of the copy within a longer statement, by its AST: an expression of eight
+    nodes or more, its local names renamed (lab/study.py once computed GRPO's advantages
+    with the `advantages` answer's expression, then `.to(device)`, a line no line search
+    finds: test_the_leak_test_finds_an_answer_in_a_longer_statement)."""
+    copy = tmp_path / "copy"
+    make(name, str(copy))
+    assert not (found := leaks(str(copy), name)), f"the copy of {name} holds {found}"
+
+
+@pytest.mark.fast
+def test_the_leak_test_finds_an_answer_in_a_longer_statement(tmp_path):
+    """lab/study.py's old advantages, put back into a copy of the `advantages` exercise: the
+    answer's expression with .to(device) after it, which no removed line matches; and again
+    with other names, inside a sum."""
+    copy = tmp_path / "copy"
+    make("advantages", str(copy))
+    study = str(copy / "lab" / "study.py")
+    now = 'adv = advantages(rewards, cfg["group_size"]).to(device)'
+    old = (
+        'r = rewards.view(-1, cfg["group_size"])\n'
+        "    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1).to(device)"
+    )
+    renamed = (
+        "x = rewards.view(4, -1)\n    t = 2 * ((x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + 1e-4)).sum()"
+    )
+    assert not leaks(str(copy), "advantages")
+    replace(study, now, old)
+    assert not set(answer("advantages")) & copy_lines(copy)  # the line test passes it
+    assert {(n, where.split(":")[0]) for n, _, where in leaks(str(copy), "advantages")} == {
+        ("advantages", "lab/study.py")
+    }
+    replace(study, old, now + "\n    " + renamed)
+    assert {(n, where.split(":")[0]) for n, _, where in leaks(str(copy), "advantages")} == {
+        ("advantages", "lab/study.py")
+    }
+
+
+# a short lesson run, to see that a command runs: one step, so one push, which costs time (on
+# two-operation problems some groups hold right and wrong answers, so the step trains tokens: a
+# push that costs nothing lands before the generator admits more, and sync's switch passes
+# whatever the bound); and a run long enough for a silent bug's symptom (advantages, stale tokens)
+SHORT = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--synth-steps", "2"]
+SHORT += ["--eval-every", "0", "--no-plot"]
+SYMPTOM = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--no-plot"]
+# lesson.main for each (tree, flags) of argv[1], in one Python that made one engine for all
+# (lesson.main's `engine`: each run loads its own starting weights; the runs' settings give
+# one engine's): each run imports its tree's modules (those of the last tree dropped from
+# sys.modules), the libraries once. Writes each run's traceback, or None, to argv[2].
+RUNS = """
+import json, os, sys, traceback
+jobs, engine, results = json.loads(sys.argv[1]), None, []
+for tree, flags in jobs:
+    own = {f[:-3] for f in os.listdir(tree) if f.endswith(".py")} | {"system", "tools", "lab"}
+    for m in [m for m in sys.modules if m.split(".")[0] in own]:
+        del sys.modules[m]
+    os.chdir(tree)
+    sys.path[0] = tree
+    try:
+        import lesson
+        if engine is None:
+            from engine import make_engine
+            engine = make_engine(lesson.parse_config(flags))
+        lesson.main(flags, engine=engine)
+        results.append(None)
+    except BaseException:
+        results.append(traceback.format_exc()[-2000:])
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def exercise_md_commands(copy):
+    """The commands a copy's EXERCISE.md gives, split as a shell would: [argv]."""
+    return [shlex.split(c) for c in re.findall(r"`(\.venv/bin/python [^`]*)`", (copy / "EXERCISE.md").read_text())]
+
+
+def lesson_runs(flags):
+    """The runs that show a copy runs every regime and pool: its command's flags as they are,
+    then with each other regime, and with the other pool: [(label, flags)]."""
+    import argparse
+
+    import config
+
+    p = argparse.ArgumentParser()
+    config.add_flags(p, "lesson")
+    cfg = vars(p.parse_known_args(flags)[0])
+    runs = [("EXERCISE.md", flags)] + [(r, [*flags, "--regime", r]) for r in config.REGIMES if r != cfg["regime"]]
+    return runs + [(f"--pool {x}", [*flags, "--pool", x]) for x in ("fifo", "pace") if x != cfg["pool"]]
+
+
+def test_every_copy_runs_its_exercise_md_and_every_regime(tmp_path):
+    """Each exercise's copy, its answer written in (restore; a silent bug's copy as made): the
+    lesson command its EXERCISE.md gives runs, and so does each regime and the other pool
+    with its flags (each a short run, SHORT after them: the max_lag stand-in once crashed
+    sync at its first push that cost time; each sync run's push here does). A silent bug's
+    command shows its symptom (a longer run, SYMPTOM): against the same run of the project,
+    silent_stale's stale share is lower (under the default regime, recompute, both would be
+    0) and silent_behaviour's behaviour_gap is 0. Each EXERCISE.md's check command names its
+    exercise and its copy, and the pace copy's, run from the project as given, passes every
+    grader. The runs in one process, one engine (RUNS)."""
     from tools.exercise import restore
 
-    copy, out = tmp_path / "copy", tmp_path / "run"
-    make("advantages", str(copy))
-    assert "lesson.py --preset long" in (copy / "EXERCISE.md").read_text()
-    restore(str(copy), "advantages")  # as if the student had written it
-    flags = ["--preset", "long", "--steps", "4", "--eval-every", "0", "--no-plot", "--out", str(out)]
+    jobs, labels = [], []
+    for name in EXERCISES:
+        copy = tmp_path / name
+        make(name, str(copy))
+        commands = exercise_md_commands(copy)
+        runs = [argv[2:] for argv in commands if argv[:2] == [".venv/bin/python", "lesson.py"]]
+        checks = [argv for argv in commands if argv[:2] == [".venv/bin/python", "tools/exercise.py"]]
+        assert len(runs) == 1 and len(commands) == 2, commands
+        assert checks == [[".venv/bin/python", "tools/exercise.py", "check", name, str(copy)]], checks
+        if "where" in EXERCISES[name]:
+            restore(str(copy), name)  # as if the student had written it
+        silent = "silent" in EXERCISES[name]
+        for label, flags in lesson_runs(runs[0]):
+            short = SYMPTOM if silent and label == "EXERCISE.md" else SHORT
+            jobs.append((str(copy), [*flags, *short, "--out", str(tmp_path / "runs" / str(len(jobs)))]))
+            labels.append((name, label))
+        if silent:  # the same run of the project's code
+            jobs.append((ROOT, [*runs[0], *SYMPTOM, "--out", str(tmp_path / "runs" / str(len(jobs)))]))
+            labels.append((name, "the project"))
+    report = tmp_path / "runs.json"
     r = subprocess.run(
-        [str(copy / ".venv" / "bin" / "python"), "lesson.py", *flags], cwd=copy, capture_output=True, text=True
+        [sys.executable, "-c", RUNS, json.dumps(jobs), str(report)], capture_output=True, text=True, cwd=tmp_path
     )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    steps = [m["step"] for m in map(json.loads, open(out / "metrics.jsonl")) if "loss" in m]
-    assert steps == [1, 2, 3, 4], steps
+    assert r.returncode == 0 and report.exists(), r.stdout[-2000:] + r.stderr[-3000:]
+    failed = {labels[i]: why for i, why in enumerate(json.loads(report.read_text())) if why}
+    assert not failed, "\n".join(f"{name}, {label}:\n{why}" for (name, label), why in failed.items())
+
+    def metrics(name, label):
+        out = jobs[labels.index((name, label))][1][-1]
+        return [m for m in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "loss" in m]
+
+    costly = {name: metrics(name, "sync")[0]["run_tokens"] for name in EXERCISES}
+    assert all(costly.values()), f"a sync run whose push cost no time shows nothing: {costly}"
+
+    def stale(name, label):
+        return sum(m["stale_token_frac"] * m["trained_tokens"] for m in metrics(name, label))
+
+    assert 0 < stale("silent_stale", "EXERCISE.md") < stale("silent_stale", "the project")
+    assert all(m["behaviour_gap"] == 0 for m in metrics("silent_behaviour", "EXERCISE.md"))
+    assert sum(m["behaviour_gap"] for m in metrics("silent_behaviour", "the project")) > 0
+    check_pace = subprocess.run(
+        exercise_md_commands(tmp_path / "pace")[-1], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    n = len(EXERCISES["pace"]["graders"])
+    assert check_pace.returncode == 0 and f"{n}/{n} graders pass" in check_pace.stdout, check_pace.stdout
 
 
 def test_a_course_copy_stubs_every_exercise_and_grades_each_alone(tmp_path):
@@ -267,6 +483,18 @@ def test_every_accepted_variant_passes_every_grader(name, accepted_graded):
     assert len(results) == len(ACCEPTED[name])
     rejected = {v[0]: [g for g, ok in got.items() if not ok] for v, got in zip(ACCEPTED[name], results)}
     assert not any(rejected.values()), f"right answers a grader rejects: {rejected}"
+
+
+@pytest.mark.fast
+def test_every_grader_is_a_test_of_the_suite():
+    """Each grader an exercise lists (and each cheap one) names a test function of its file: a
+    test renamed or removed is found here in a second, not as every grade failing (the
+    advantages exercise once listed a test of lesson.py's step that had gone)."""
+    graders = {g for ex in EXERCISES.values() for g in ex["graders"]} | {g for gs in CHEAP.values() for g in gs}
+    for g in sorted(graders):
+        path, *names = g.split("::")
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        assert names[-1].split("[")[0] in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, g
 
 
 @pytest.mark.fast

@@ -23,10 +23,11 @@ pytestmark = pytest.mark.fast
 
 def test_advantages_of_a_group_of_two_and_of_equal_rewards():
     """A group of 2 (1, 0): mean 0.5, unbiased std sqrt(0.5), so +-0.5 / (0.70711 + 1e-4);
-    a group of 3 equal rewards (0.3 each): std 0, advantages 0, not 0/0."""
+    a group of 3 equal rewards (0.3 each): std 0, advantages 0, not 0/0. Rewards' shape and dtype."""
     a = 0.5 / (math.sqrt(0.5) + 1e-4)  # 0.70700...
     adv = grpo.advantages(torch.tensor([1.0, 0.0, 0.25, 0.25]), 2)
     assert adv.shape == (4,) and adv.tolist() == pytest.approx([a, -a, 0.0, 0.0], abs=1e-6)
+    assert adv.dtype == torch.float32, f"advantages in {adv.dtype}: the task asks for the rewards' dtype, float32"
     adv = grpo.advantages(torch.tensor([0.3, 0.3, 0.3, 1.0, 0.0, 0.5]), 3)  # mean 0.5, std 0.5
     b = 0.5 / (0.5 + 1e-4)
     assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, b, -b, 0.0], abs=1e-6)

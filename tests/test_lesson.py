@@ -156,6 +156,20 @@ def test_max_lag_bounds_the_lag(max_lag, tmp_path):
 
 
 @pytest.mark.fast
+def test_pace_keeps_rejecting_in_the_lesson(tmp_path):
+    """--pool pace with a trainer slow enough that the generator runs to its bound: a rejected
+    group leaves its place to a new one (each push tells the generator how many, as train.py's
+    does), so PACE rejects more than the (max_lag + 1) x prompts_per_step = 12 groups it could
+    if they counted as admitted, trains none of them, and no token above --max-lag."""
+    out = run("stale", tmp_path, "--pool", "pace", "--train-s", "1e-3")
+    metrics, answers = read(out, "metrics.jsonl"), read(out, "answers.jsonl")
+    rejected = {x["group_id"] for x in answers if x["fate"] == "rejected"}
+    assert len(rejected) == sum(m["rejected_groups"] for m in metrics) > (2 + 1) * 4
+    assert not rejected & {x["group_id"] for x in answers if x["fate"] == "consumed"}
+    assert max(m["lag_max"] for m in metrics) <= 2
+
+
+@pytest.mark.fast
 def test_ppo_clip_binds_with_several_steps_per_batch(tmp_path):
     """One optimizer step per batch: pi_old = pi, so PPO's clip never binds (clipped share
     0). --minibatches 4 at a large learning rate: the policy drifts within the batch and

@@ -108,7 +108,9 @@ def test_m2po_masks_the_largest_until_the_rest_is_under_tau():
     assert grpo.m2po_cutoff(m2, 0.0) == 0.0  # no mean is below 0: all but the smallest go
     # the rest's mean must fall *below* tau: once 1.0 goes, (0.5 + 0) / 2 = 0.25 is not below 0.25, so 0.5 goes too
     assert grpo.m2po_cutoff(torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64), 0.25) == 0.0
-    # a tie with the largest kept value is kept: 0.09 twice, the budget met without either
+    # ties are read by value: sorted 0.25, 0.16, 0.09, 0.09, 0.01, 0, the rest's mean falls below 0.04 once three
+    # go (0.10 / 3), so k = 3 and s[3] = 0.09 is returned; the mask (m2 <= 0.09) keeps both 0.09s, though the four
+    # kept then have the mean 0.19 / 4 = 0.0475, not below tau
     assert grpo.m2po_cutoff(torch.tensor([0.25, 0.16, 0.09, 0.09, 0.01, 0.0]), 0.04) == pytest.approx(0.09)
 
 

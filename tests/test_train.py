@@ -327,9 +327,11 @@ def test_gpu_check_on_cpu(tmp_path):
 @pytest.mark.fast
 def test_advantages_by_hand():
     """GRPO's advantage on rewards worked by hand: a group of 1, 0, 0, 1 (mean 0.5, unbiased
-    std sqrt(1/3)) and a group all wrong, whose advantages are 0 (nothing to learn from it)."""
+    std sqrt(1/3)) and a group all wrong, whose advantages are 0 (nothing to learn from it); in
+    the rewards' dtype, float32."""
     adv = grpo.advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]), 4)
     a = 0.5 / (3**-0.5 + 1e-4)
+    assert adv.dtype == torch.float32, f"advantages in {adv.dtype}: the task asks for the rewards' dtype, float32"
     assert adv.shape == (8,) and torch.allclose(adv, torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0]), atol=1e-6)
 
 

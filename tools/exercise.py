@@ -38,12 +38,12 @@ EXERCISES = {
         where=("grpo.py", "advantages"),
         run="",
         task="GRPO's advantage: each answer's reward minus its group's mean, over its group's std + 1e-4, the "
-        "unbiased std (divided by group_size - 1, torch's default); a group of equal rewards gets 0",
+        "unbiased std (divided by group_size - 1, torch's default); a group of equal rewards gets 0; return a tensor "
+        "of rewards' shape and dtype (float32)",
         hint="rewards arrive group after group: view them as (groups, group_size)",
         graders=[
             "tests/test_train.py::test_advantages_by_hand",
             "tests/test_graders.py::test_advantages_of_a_group_of_two_and_of_equal_rewards",
-            "tests/test_lesson.py::test_the_step_is_train_pys",
         ],
     ),
     "loss": dict(
@@ -82,9 +82,10 @@ EXERCISES = {
         where=("grpo.py", "m2po_cutoff"),
         run=" --loss m2po",
         stand_in=("masks no token (returns inf)", "import math\n\nreturn math.inf"),
-        task="M2PO's mask over a step's tokens, m2 (N,) their (log pi_old/mu)^2: mask the largest, one at a time, "
-        "until the mean of those left is below tau (at least one is kept); return the largest value kept (a token "
-        "tied with it is kept too), or inf if none is masked",
+        task="M2PO's mask over a step's tokens, m2 (N,) their (log pi_old/mu)^2: sorted largest first (s), mask the k "
+        "largest for the least k at which the mean of the rest, s[k:], is below tau (k at most N - 1: one is kept); "
+        "return s[k], the largest value kept, or inf if k is 0. Ties are read by value: the loss keeps every token at "
+        "or below s[k], so a token tied with s[k] is kept even if k counted it (the mean kept can then be tau or more)",
         hint="sort once, largest first; the mean of what is left after masking k tokens is a mean of a suffix",
         graders=[
             "tests/test_losses.py::test_m2po_masks_the_largest_until_the_rest_is_under_tau",
@@ -137,15 +138,18 @@ EXERCISES = {
         where=("engine.py", "Generator.may_admit"),
         run="",
         stand_in=(
-            "admits a group only when none is in flight: no lag bound, no KV count, one group at a time",
-            "return self.admitting and not self.inflight",
+            "admits a group only when none is in flight: one group at a time, no KV count, and no lag bound but at "
+            "--max-lag 0 (which sync forces: nothing may be in flight at its switch), one batch per version",
+            'if self.cfg["max_lag"] == 0:  # sync: one batch, then nothing until the next version\n'
+            "    return self.admitting and not self.inflight and self.next_group < (self.version + 1) * self.cfg["
+            '"prompts_per_step"]\nreturn self.admitting and not self.inflight',
         ),
         task="admit a group only if it is trained at most max_lag versions after the weights that start it: "
         "self.next_group (groups are numbered from 0 in admission order) below (self.version + max_lag + 1) x "
-        "prompts_per_step + self.budget_offset (0 in the lesson; the generator process's resume and rejected "
-        "groups); only while self.admitting; and only while the KV cache, which holds self.kv_answers answers, has "
-        "room for one more group (group_size answers) beside those in flight (self.inflight). max_lag, "
-        "prompts_per_step and group_size are in self.cfg",
+        "prompts_per_step + self.budget_offset (the groups the pool has rejected, which leave their places to new "
+        "ones; in the generator process a resumed run's too); only while self.admitting; and only while the KV "
+        "cache, which holds self.kv_answers answers, has room for one more group (group_size answers) beside those "
+        "in flight (self.inflight). max_lag, prompts_per_step and group_size are in self.cfg",
         hint="the pool trains groups in admission order: batch b (groups b x P to b x P + P - 1) by step b + 1, "
         "with version b",
         graders=[
@@ -184,6 +188,7 @@ EXERCISES = {
             'behaviour = torch.cat([s["logprobs"] for s in mb]).float().to(device)',
             "behaviour = logp.detach()",
         ),
+        run=" --regime stale",
         task="this copy runs, learns, and is wrong: find what in its metrics.jsonl no asynchronous run can show, "
         "then the line",
         hint="look at behaviour_gap and kl; then at what the loss divides pi by",
@@ -198,6 +203,7 @@ EXERCISES = {
             "stale, n = self.kv_version < version, len(token_ids)",
             "stale, n = self.kv_version < (self.versions[-1] if self.versions else version), len(token_ids)",
         ),
+        run=" --regime stale",  # the symptom is in stale tokens: the default regime (recompute) trains none
         task="this copy runs, learns, and is wrong: its stale share is a little low; find where from answers.jsonl "
         "(a stale run's segments around a switch), then the line",
         hint="which weights wrote the KV that the first token after a switch reads?",
@@ -326,14 +332,17 @@ def make(name, dest):
         stand_in(dest, n)
     if os.path.exists(os.path.join(ROOT, ".venv")):  # the project's venv, so that .venv/bin/python runs in the copy
         os.symlink(os.path.realpath(os.path.join(ROOT, ".venv")), os.path.join(dest, ".venv"))
+    which = "NAME" if name == ALL else name
     text = (
         f"# Exercise {name}\n\n{describe(name)}\n\n{run_text(name)}"
-        f"The graders are not in this copy: from the project, `.venv/bin/python tools/exercise.py check NAME {dest}`.\n"
+        f"The graders are not in this copy: from the project, `.venv/bin/python tools/exercise.py check {which} {dest}`"
+        + (f", NAME one of {', '.join(n for n in EXERCISES if 'where' in EXERCISES[n])}" if name == ALL else "")
+        + ".\n"
     )
     open(os.path.join(dest, "EXERCISE.md"), "w").write(text)
     print(
         f"{dest}: exercise {name}\n{describe(name)}\n  check (from the project): "
-        f"{sys.executable} {os.path.join(ROOT, 'tools', 'exercise.py')} check {name if name != ALL else 'NAME'} {dest}"
+        f"{sys.executable} {os.path.join(ROOT, 'tools', 'exercise.py')} check {which} {dest}"
     )
 
 
@@ -347,16 +356,17 @@ def run_text(name):
             "Every function exercise is stubbed here: lesson.py runs once all are written (`.venv/bin/python "
             "lesson.py --preset long`); `check NAME` grades each alone, with the project's code for the others.\n\n"
         )
-    text = (
-        f"Once it is written, run it here: `.venv/bin/python lesson.py --preset long{EXERCISES[name].get('run', '')}`"
-    )
+    command = f"`.venv/bin/python lesson.py --preset long{EXERCISES[name].get('run', '')}`"
+    if "silent" in EXERCISES[name]:
+        return f"Run it here: {command}, and look for the symptom in the run directory it names at its end.\n\n"
+    text = f"Once it is written, run it here: {command}"
     if not later(name):
         return text + ".\n\n"
     ins = "".join(f"\n- `{EXERCISES[n]['where'][1]}` ({n}): {EXERCISES[n]['stand_in'][0]}" for n in later(name))
     return (
         text + ". The exercises after this one are not written here: each has a stand-in, code that runs and is "
         "not its answer, so the run's numbers are theirs too (`check` grades your answer with the project's code "
-        f"in their place):{ins}\n\n"
+        f"in their place); every regime and pool runs with them:{ins}\n\n"
     )
 
 

@@ -1,42 +1,22 @@
 """
-The whole asynchronous GRPO loop in one process, on a simulated clock. Read it after the
-README (up to "What we found"), with docs/course.md's Concepts beside it (pi, mu, the ratio,
-lag, stale tokens, pass@1); then what its loop calls, in the order it calls it: pool.py,
-grpo.py, regimes.py, engine.py (docs/course.md, "The first sitting").
+The whole asynchronous GRPO loop in one process, on a simulated clock. Read it after the README
+(up to "What we found") and the course's Concepts (docs/course.md, "The first sitting").
 
-    python lesson.py                                      # tiny model, short answers: 150 steps, ~2.7 min on 2 cores
-    python lesson.py --preset long --regime stale         # long answers: a third of trained tokens stale, ~2 min
+    python lesson.py                                      # tiny model, short answers: 150 steps
+    python lesson.py --preset long --regime stale         # long answers: stale tokens appear
     python plot.py --answers out/lesson-stale-long-s0     # one weight switch, answer by answer
 
-Two workers share one timeline. The generator (a vLLM engine stepped one decode step at
-a time: engine.Generator) writes answers to prompts, GRPO groups of --group-size; the
-trainer takes a step's worth of finished groups from the pool (pool.Pool), scores them,
-takes one optimizer step (grpo.py) and pushes the new weights to the generator. Some
-answers are half-written when the weights land; the regime (regimes.py) decides what
-happens to them. train.py runs the same classes in two processes that work at the same
-time; here one process plays both, in turn, and the time each piece of work takes is
-counted, not measured (SimClock):
-
-    one engine step    --step-s, + --prefill-s per token whose KV it wrote in one go (a prompt, a rebuild)
-    one trainer step   --train-s per token it runs through the model (grpo.run_tokens): its
-                       new weights are ready that long after it starts
-    one weight load    --load-s
-
-The trainer starts a step as soon as it is free and the pool holds the step's groups; its
-weights land between the two engine steps around start + cost (the engine keeps writing
-meanwhile, or idles under sync, or drains under drain). So a run is a pure function of
-its flags and seed: run it twice and metrics.jsonl and answers.jsonl are identical, and
-every number that depends on timing (stale tokens, lag, idle time, time to a target) is the
-same on every machine, up to its floating point. The speed of generation against training
-is a knob: change --train-s and see what happens to the stale share (docs/course.md).
-
-The default costs are measured, not invented: tools/clock_costs.py on a run of
-`train.py --preset long --regime stale` on a 2-core AMD EPYC, the generator and the
-trainer on a core each: 18.3 ms an engine step, 53 us a prefilled token, 0.116 ms a token
-through the trainer, 40 ms a load. That run trained 33.6% stale tokens and this file at
-these costs 32.9%; on the short default preset, 1.1% and 1.7% (RESULTS.md, "The lesson's
-clock"). For a GPU pair, measure one of your runs the same way. Times and rates in the
-log and in the files are simulated seconds.
+Two workers share one timeline. The generator (engine.Generator: a vLLM engine stepped one decode
+step at a time) writes GRPO groups of answers; the trainer takes a step's groups from the pool
+(pool.Pool), scores them, takes an optimizer step (grpo.step) and pushes the new weights; the
+regime (regimes.py) decides what happens to the answers half-written when they land. train.py
+runs the same classes in two processes at once; here one process plays both in turn, and what
+each piece of work costs is counted, not measured (SimClock): an engine step by what it holds,
+a trainer step by the tokens it runs through the model, a load. So a run is a pure function of
+its flags and seed: every number that depends on timing (stale tokens, lag, idle time) is the
+same on every run. The default costs were fitted to train.py's own runs by tools/clock_costs.py,
+and the lesson keeps train.py's time in every regime (lab/RESULTS.md, "The lesson's clock");
+fit yours to one run of your machines the same way. Times in the log are simulated seconds.
 """
 
 import argparse
@@ -103,19 +83,17 @@ class Push(NamedTuple):
 def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=config.Help)
     config.add_flags(p, "lesson")  # train.py's flags, defaults and presets, where they apply
-    # the defaults: tools/clock_costs.py on a train.py run (docstring); yours: run it on one of your runs
-    p.add_argument("--step-s", type=float, default=0.0183, help="simulated seconds per engine step")
-    p.add_argument("--answer-s", type=float, default=0.0, help="... plus this per answer the engine holds")
-    p.add_argument("--kv-s", type=float, default=0.0, help="... plus this per token in their KV cache")
-    p.add_argument("--busy-s", type=float, default=0.0, help="... plus this while the trainer trains")
-    p.add_argument("--prefill-s", type=float, default=5.3e-5, help="... plus this per token whose KV it prefills")
-    p.add_argument(
-        "--train-s",
-        type=float,
-        default=1.16e-4,
-        help="simulated seconds per token a trainer step runs through the model (grpo.run_tokens)",
-    )
-    p.add_argument("--load-s", type=float, default=0.040, help="simulated seconds per weight load")
+    # fmt: off
+    config.add_table(p, [  # the clock's costs, simulated seconds (tools/clock_costs.py fits them to a train.py run)
+        ("step-s",    float, 0.0183, "an engine step"),
+        ("answer-s",  float, 0.0,    "... plus this per answer the engine holds"),
+        ("kv-s",      float, 0.0,    "... plus this per token in their KV cache"),
+        ("prefill-s", float, 5.3e-5, "... plus this per token whose KV it prefills (a prompt, a rebuild)"),
+        ("busy-s",    float, 0.0,    "... plus this while the trainer trains (the two share a machine)"),
+        ("train-s",   float, 1.16e-4, "a trainer step, per token it runs through the model (grpo.run_tokens)"),
+        ("load-s",    float, 0.040,  "a weight load"),
+    ])
+    # fmt: on
     p.add_argument("--eval-at", type=lambda s: sorted(map(float, s.split(","))), default=[], help=Budgets.__doc__)
     p.add_argument(
         "--eval-steps",

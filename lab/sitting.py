@@ -98,7 +98,12 @@ def counts():
     lines = sum(c for *_, c in counted)
     prose, code = -(-words // PROSE_PACE), -(-lines // CODE_PACE)
     return dict(
-        steps=counted, words=words, lines=lines, prose=prose, code=code, total=prose + code + INSTALL_MINUTES + RUN_MINUTES
+        steps=counted,
+        words=words,
+        lines=lines,
+        prose=prose,
+        code=code,
+        total=prose + code + INSTALL_MINUTES + RUN_MINUTES,
     )
 
 

@@ -16,7 +16,6 @@ import ast
 import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -577,19 +576,11 @@ def graph():
 # -----------------------------------------------------------------------------
 # docs/course.md's first sitting (test_layout.py counts it, test_lesson.py checks it against a run)
 
-SITTING_MODULES = ("lesson", "pool", "grpo", "regimes", "engine")  # the order lesson.py's loop calls them in
+SITTING_MODULES = ("lesson", "pool", "grpo", "regimes", "engine")  # what the first sitting's path runs through
 
 
 def first_sitting():
-    """The first sitting's text, and its code steps in order: [(file, [names] or None for
-    all of it, lines stated)], from lines "N. **`file.py`: `name`, `name`** (L lines)"."""
-    course = open(os.path.join(ROOT, "docs", "course.md")).read()
-    part = course[course.index("### The first sitting") :]
-    part = part[: part.index("\n#", 1)]
-    steps = [
-        (path, re.findall(r"`([\w.]+)`", names) if names else None, int(stated))
-        for path, names, stated in re.findall(
-            r"^\d+\. \*\*`(\w+\.py)`(?:, all of it|: ([^*]+))\*\* \((\d+) lines\)", part, flags=re.M
-        )
-    ]
-    return part, steps
+    """The first sitting's text, and its steps in order: [(file, [names], kind)] (lab/sitting.py)."""
+    from lab import sitting
+
+    return sitting.part(), sitting.steps()

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import helpers
-from helpers import ROOT, SITTING_MODULES, first_sitting, graph, project_modules
+from helpers import ROOT, graph, project_modules
 
 
 @pytest.mark.fast
@@ -284,77 +284,22 @@ def test_style():
         assert out.returncode == 0, f"ruff {args[0]}:\n{out.stdout}{out.stderr}"
 
 
-def code_lines(path, names=None):
-    """Non-blank lines (docstrings and comments count: a reader reads them) of the file at
-    `path`, or of the functions and classes `names` in it ("f", "Class", "Class.method",
-    "__doc__" for the module's docstring)."""
-    lines = open(path).read().split("\n")
-    if names is None:
-        return sum(1 for line in lines if line.strip())
-    total = 0
-    for qualname in names:
-        node = ast.parse("\n".join(lines))
-        if qualname == "__doc__":
-            node = node.body[0]  # the module's docstring, its first statement
-            assert isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant), f"{path} has no docstring"
-        for part in qualname.split(".") if qualname != "__doc__" else ():
-            node = next(n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
-        first = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
-        total += sum(1 for line in lines[first - 1 : node.end_lineno] if line.strip())
-    return total
-
-
-def prose_words(markdown):
-    """The words a reader reads in a piece of markdown: a link's or an image's target is not
-    read; its text, the tables, the diagrams and the commands are."""
-    return sum(1 for w in re.sub(r"\]\([^)]*\)", "]", markdown).split() if re.search(r"\w", w))
-
-
-# the rates the first sitting's minutes are counted at (docs/course.md, Reading guide, says why)
-CODE_PACE = 8  # lines of code a minute: the one first reading that was timed (issue 43)
-PROSE_PACE = 150  # words of prose a minute
-RUN_MINUTES = 2  # lesson.py --preset long --regime stale: 100 s alone on 2 cores (RESULTS.md, The lesson's clock)
-
-
-def sitting_counts():
-    """The first sitting counted: its steps with the lines each names (code_lines), the words
-    of prose it asks for (the README up to the section its first step names, with the
-    Concepts the README links there), and its text."""
-    part, steps = first_sitting()
-    upto = re.search(r"^1\. \*\*The README, up to \*([^*]+)\*\*\*", part, flags=re.M)
-    assert upto, "the sitting's first step is not the README up to one of its sections"
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    read = readme[: readme.index("\n## " + upto.group(1) + "\n")]
-    course = open(os.path.join(ROOT, "docs", "course.md")).read()
-    concepts = course[course.index("\n## Concepts\n") :]
-    concepts = concepts[: concepts.index("\n## ", 1)]
-    words = prose_words(read) + (prose_words(concepts) if "docs/course.md#concepts" in read else 0)
-    counted = [(path, names, stated, code_lines(os.path.join(ROOT, path), names)) for path, names, stated in steps]
-    return counted, words, part
-
-
 @pytest.mark.prose
 def test_the_first_sitting_reads_in_90_minutes():
-    """docs/course.md's first sitting: each step names a file and what of it to read, in
-    the order lesson.py's loop runs them (lesson, pool, grpo, regimes, engine); the lines
-    stated for each are what those functions hold (code_lines); the stated total is the
-    README's words up to where the sitting stops, with the Concepts it links there, at
-    PROSE_PACE, the code at CODE_PACE and the run's RUN_MINUTES, at most 90 minutes."""
-    steps, words, part = sitting_counts()
-    assert [p for p, *_ in steps] == [m + ".py" for m in SITTING_MODULES], [p for p, *_ in steps]
-    wrong = [f"{p}: {s} lines stated, {c} counted" for p, _, s, c in steps if s != c]
-    assert not wrong, wrong
-    lines = sum(c for *_, c in steps)
-    said = re.search(
-        r"That is ([\d,]+) words of prose and ([\d,]+) lines of code: (\d+) minutes at 150 words a minute, "
-        r"(\d+) at 8 lines a minute, and the run's 2, (\d+) minutes",
-        re.sub(r"\s+", " ", part),
-    )
-    assert said, "the sitting's total is not stated"
-    w, n, prose, code, total = (int(x.replace(",", "")) for x in said.groups())
-    expected = (words, lines, -(-words // PROSE_PACE), -(-lines // CODE_PACE))
-    assert (w, n, prose, code) == expected, (said.group(0), expected)
-    assert total == prose + code + RUN_MINUTES <= 90, said.group(0)
+    """docs/course.md's first sitting, counted by lab/sitting.py as a student reads it (its text,
+    the README to where it stops, the Concepts, the code it lists and the docstrings it meets, at
+    150 words and 5 lines a minute, with the install and the run), is at most 90 minutes; it reads
+    lesson.py, then regimes.py, then docstrings; and the counts on the page are the count's (the
+    values test_marked rebuilds)."""
+    from lab import sitting
+
+    c = sitting.counts()
+    assert [(p, k) for p, _, k, _ in c["steps"] if k == "code"] == [("lesson.py", "code"), ("regimes.py", "code")]
+    assert {p for p, _, k, _ in c["steps"] if k == "docstrings"} == {"pool.py", "grpo.py", "engine.py"}
+    assert (sitting.PROSE_PACE, sitting.CODE_PACE) == (150, 5)
+    assert c["total"] == c["prose"] + c["code"] + sitting.INSTALL_MINUTES + sitting.RUN_MINUTES <= sitting.LIMIT == 90
+    page = re.sub(r"\s+", " ", sitting.part())
+    assert f"<!--sitting-total-->{c['total']}<!---->" in page, "the page's total is not the count's"
 
 
 # sentences the course once said that were wrong or misleading (issue 49): each fails this test if it comes back

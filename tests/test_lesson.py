@@ -247,7 +247,7 @@ def test_the_first_sitting_is_what_the_loop_calls(tmp_path):
     text as skipped; and every function on the list is called. A skipped function takes
     what it calls with it. Nested functions and comprehensions count as their function's."""
     part, steps = first_sitting()
-    listed = {n for _, names, _ in steps for n in names or () if n != "__doc__"}
+    listed = {n for _, names, kind in steps if kind == "code" for n in names if n != "__doc__"}
     named = set(re.findall(r"`([\w.]+)`", part))
     own = lambda q: q.split(".<locals>.")[0]  # main.<locals>.evaluate reads as main
     on_list = lambda q: q in listed or q.split(".")[0] in listed  # a class listed whole holds its methods

@@ -415,13 +415,10 @@ class Generator:
     budget_offset = 0  # groups the bound admits beyond its count: the pool's rejected (set at each push), a resume's
 
     def may_admit(self):
-        """AReaL's staleness bound: at most (version + max_lag + 1) batches of --prompts-per-step
-        groups admitted, + budget_offset, the groups the pool has rejected (each leaves its place to a
-        new one: lesson.py sets it at each push; system.generator.ProcessGenerator adds a resumed
-        run's count). The trainer takes groups in admission order (pool.Pool), so nothing admitted
-        now is consumed more than max_lag versions after the weights that started it: this bounds
-        the *generation* staleness of what is trained. And the KV cache: room for one more group
-        beside the answers in flight (kv_answers, what kv_capacity found it holds)."""
+        """AReaL's staleness bound: at most (version + max_lag + 1) batches of --prompts-per-step groups
+        admitted, + budget_offset (the groups the pool rejected, each leaving its place to a new one).
+        Taken in admission order (pool.Pool), nothing admitted now trains more than max_lag versions
+        after the weights that started it. And room in the KV cache for one more group (kv_answers)."""
         budget = (self.version + self.cfg["max_lag"] + 1) * self.cfg["prompts_per_step"] + self.budget_offset
         return (
             self.admitting

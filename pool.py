@@ -3,49 +3,22 @@ The trainer's pool: finished answers gather into GRPO groups, and each step take
 --prompts-per-step whole groups (Pool). Which groups, and which are dropped, is the
 pool policy.
 
-Groups are consumed in admission order (first admitted, first consumed): a step
-takes the oldest groups not yet taken, and waits for one whose answers are still
-being written rather than let later groups overtake it. That is what makes
---max-lag a bound: the generator admits group g only once g < (versions loaded +
-max_lag + 1) x prompts_per_step (engine.Generator.may_admit), and taken in order,
-g is trained at most max_lag versions after the weights that started it. Groups the
-pool rejected do not count in g: each leaves its place to a new one (the trainer tells
-the generator how many with each push, in lesson.py as in train.py), so a generator
-faster than the trainer keeps the pool above PACE's target, and PACE keeps rejecting
-(counted as admitted, as before, the pool could exceed the target only once). (AReaL
-and SkyRL bound admission the same way but consume in completion order, so a long
-answer overtaken by later ones can exceed the bound, which they count; TRL and
-prime-rl drop what exceeds it at consumption. Waiting costs trainer time instead.)
+Groups are consumed in admission order: a step takes the oldest groups not yet taken,
+and waits for one whose answers are still being written rather than let later groups
+overtake it. That is what makes --max-lag a bound: the generator admits group g only
+once g < (versions loaded + max_lag + 1) x prompts_per_step (engine.Generator.may_admit),
+so taken in order, g is trained at most max_lag versions after the weights that started
+it. A group the pool rejected leaves its place to a new one (each push tells the
+generator how many, in lesson.py as in train.py). AReaL and SkyRL bound admission the
+same way but consume in completion order, so a long answer overtaken by later ones can
+exceed the bound; TRL and prime-rl drop what exceeds it at consumption.
 
-`fifo` drops nothing. `pace` is our
-reading of PACE ("Where Does Staleness Accumulate? Pool Aware Effective Staleness
-Control for Asynchronous RL in LLM Post-Training"); only its abstract was available,
-so the formulas below are our interpretation, not the paper's code. The idea:
-staleness has two sources. *Generation staleness* is how many versions passed while
-an answer was being written; *waiting staleness* is how many passed while it sat
-in the pool. When the pool holds more groups than a target, the excess is a
-rejection budget: drop that many groups, those with the highest effective
-staleness (waiting + lam * generation) first.
-
-What is ours, not the abstract's:
-- generation staleness is prefix-aware and per token: the mean over answer tokens
-  of (latest version in the answer - the token's version). An answer whose first
-  token alone is old scores ~1/len, not 1: it is penalised by how much of it is
-  old, weighted by how old, not merely for spanning versions.
-- under `recompute` the prefix tokens still count as old: the KV rebuild fixes
-  what later tokens *condition on*, but the prefix tokens were sampled, and their
-  behaviour logprobs recorded, by the old weights, so they are just as off-policy
-  for the importance ratio. `sample["recomputed"]` is therefore ignored here.
-- waiting staleness = trainer version - latest version in the answer; an empty
-  answer has no tokens to be stale, so both staleness terms are 0 for it.
-- per GRPO group (groups are consumed or rejected whole): the mean over its
-  samples. Ties go to the group that completed first.
-- rejection never leaves fewer than the n groups the step needs, and consumption
-  among the survivors is FIFO like `fifo`, so the *only* difference between
-  `--pool fifo` and `--pool pace` is what gets rejected.
-- the target occupancy defaults to one step's worth of groups + 50% (rounded up).
-Note: waiting staleness shifts every group by the same `version`, so the ranking
-itself does not depend on `version`; it matters for the logged values.
+`fifo` drops nothing. `pace` is our reading of PACE's abstract (the paper's code was not
+available): staleness has two sources, *generation* (versions that passed while an answer
+was written) and *waiting* (versions that passed while it sat in the pool); when the pool
+holds more groups than a target, the excess is a rejection budget, spent on the groups
+with the highest effective staleness (waiting + lam * generation) first. What is ours and
+not the abstract's: docs/course.md, "PACE, as we read it".
 """
 
 import math

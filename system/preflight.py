@@ -160,21 +160,11 @@ PUSH_SEND_BYTES = 2 * 2**30
 
 
 def engine_plan(config, dtype_bytes=2, ahead_bytes=PUSH_AHEAD_BYTES, on_cpu=False):
-    """A generator engine's memory outside vLLM's budget (--gpu-memory-utilization of its
-    GPU: weights, KV cache, activations), in bytes: a push. The engine's worker receives
-    each tensor into a buffer of its own, posted ahead of vLLM's loader by at most
-    `ahead_bytes` (PUSH_AHEAD_BYTES; a larger tensor is posted alone, once the
-    loader has taken all before it), and vLLM's layerwise reload keeps a module's tensors
-    until the module is complete, then builds the layer and copies it in place
-    (system.push.WeightReceiver): two of the largest module at once (its received tensors
-    and the layer built from them): the embedding (or lm_head), q+k+v (one fused module
-    in vLLM) or gate+up; plus the run-ahead. On CPU a third: vLLM packs each rebuilt linear
-    weight for oneDNN (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py)
-    while the old packing is still held. Plus PUSH_SMALL_BYTES: oneDNN's scratch while it
-    packs, and small received tensors vLLM's loader still references. Measured as the
-    generator's live heap on CPU (bench_sync; lab/archive.md, "Posted sends"): 192 MiB model,
-    gate+up 12 MiB, every push's peak 36.5 / 46.3 / 94.3 MiB with 0 / 16 / 64 MiB ahead,
-    against this plan's 37 / 53 / 101. (Before issue 36: a whole second copy of the model.)"""
+    """A generator engine's memory outside vLLM's budget (its weights, KV cache, activations), in
+    bytes: a push. Two of the largest module at once (vLLM's layerwise reload holds a module's
+    received tensors until it is complete, then the layer it builds from them), the run-ahead of
+    received buffers (ahead_bytes), on CPU a third module (oneDNN's new packing beside the old),
+    and PUSH_SMALL_BYTES. Measured against it: docs/gpu.md, "The engine's memory during a push"."""
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = head_size(config)
     qkv = H * head_dim * (config.num_attention_heads + 2 * config.num_key_value_heads)

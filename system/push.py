@@ -112,22 +112,14 @@ def abort(group):
 
 
 def checksum(t):
-    """Two integers that change whenever a bit of `t` changes (unless changes cancel out
-    exactly): t's bytes read as int32 words, summed over its first half and over its second
-    half, each wrapping mod 2^32, as an int32 tensor of 2 on t's device. Integer sums are
-    exact mod 2^32 and do not depend on their order, so the same bits give the same two
-    numbers on the CPU and on a GPU. One kernel a tensor, which reads t once and writes 8
-    bytes (and two views): the sum is asked for in int32, the words' own type, because torch
-    casts a whole copy of its input first when the dtype differs (an int16 view summed into
-    int64: a copy 4x the tensor). send_weights and WeightReceiver.receive_weights add them up
-    per push into int64 (one more kernel each): 2^31 x a model's tensors x the engines stays
-    far inside it. Where it sits: on a GPU the kernels queue on the current stream (the CPU
-    pays their launches, the stream a read of the bytes before the next forward); on CPU the
-    trainer's thread reads every tensor once as it posts it, and the engine's every tensor
-    that arrives. A tensor whose bytes are not whole int32 words in two equal halves (an
-    odd-length bf16 vector; none of Qwen3's) is copied once, padded with zeros."""
+    """Two integers that change whenever a bit of `t` changes: t's bytes as int32 words, summed over
+    its first half and its second, each wrapping mod 2^32 (exact, and order-free: the same bits give
+    the same two numbers on a CPU and a GPU), as an int32 tensor of 2 on t's device. One kernel a tensor."""
     import torch
 
+    # summed in int32, the words' own type: torch casts a whole copy first when the dtype differs.
+    # A tensor that is not whole int32 words in two equal halves (an odd-length bf16 vector; none of
+    # Qwen3's) is copied once, padded with zeros. On a GPU the kernels queue on the current stream.
     size = t.element_size()
     whole = t.numel() * size % 8 == 0 and t.dim() and t.shape[-1] * size % 4 == 0 and t.storage_offset() * size % 4 == 0
     if whole and t.is_contiguous():

@@ -23,20 +23,13 @@ class Watchdog:
         return "generator" if self.n == 1 else f"generator engine {i}"
 
     def stall_bound(self):
-        """Seconds a live generator may send nothing while the trainer waits for it before
-        the trainer calls it stuck (--stall-s overrides). Every answer ends within
-        --max-new-tokens engine steps of its start, so: 30 s (a busy machine's hiccups)
-        + 3 x max_new_tokens x the slowest of the generator's last 256 engine steps
-        (1 s assumed before the first answer brings a measurement). It is logged as
-        stall_bound_s: tiny model, 96 tokens, 2 busy cores: ~1460 s while the engine's
-        ~5 s warm-up steps are in the window (14 steps of 4 x 4 answers), then 78-93 s.
-        An idle engine says it is alive every second, so with several engines one that
-        is stuck is told apart from one with nothing to do. Evaluations allow one bound
-        per wave of as many prompts as an engine holds at once (kv_capacity); a weight
-        push, one bound (drain holds it until the answers in flight finish)."""
+        """Seconds an engine may stay silent before we call it stuck (--stall-s overrides)."""
         if self.cfg.get("stall_s"):
             return self.cfg["stall_s"]
-        return 30 + 3 * self.cfg["max_new_tokens"] * max(s.get("max_step_s", 1.0) for s in self.engine_stats)
+        # an answer ends within max_new_tokens steps: allow 3x that at the slowest recent step, +30 s of slack
+        # (an idle engine says it is alive every second; evaluations allow a bound per wave; docs/reliability.md)
+        slowest = max(s.get("max_step_s", 1.0) for s in self.engine_stats)  # 1 s until an engine has measured
+        return 30 + 3 * self.cfg["max_new_tokens"] * slowest
 
     def died(self, i, how, errors=None):
         """Raise GeneratorDied for engine i, with the engine's own traceback when it sent one.

@@ -4,9 +4,10 @@ default and the long preset, run by train.py (two processes, the wall clock; >= 
 its run-to-run spread is part of the answer) and by lesson.py at the costs fitted from those same
 runs (tools/clock_costs.py), side by side.
 
-    .venv/bin/python lab/fidelity.py train             # train.py's runs, one at a time (alone on the machine)
-    .venv/bin/python lab/fidelity.py lesson COSTS...    # lesson.py's runs at those costs
-    .venv/bin/python lab/fidelity.py --table-only       # the table, from lab/data/fidelity.jsonl
+    .venv/bin/python lab/fidelity.py train                         # train.py's runs, one at a time, alone
+    .venv/bin/python tools/clock_costs.py out/fidelity/train/*     # the costs those runs took
+    .venv/bin/python lab/fidelity.py lesson --jobs 2 COSTS...      # lesson.py's runs at those costs
+    .venv/bin/python lab/fidelity.py table                         # the tables, from lab/data/fidelity.jsonl
 
 Each run's summary goes onto lab/data/fidelity.jsonl (its commit, processor, load average at its
 start and end); a finished run is not run again.
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -160,52 +162,55 @@ def load():
     return float(open("/proc/loadavg").read().split()[0])
 
 
-def run_all(program, extra, out):
-    commit, processor = marked.commit(), marked.processor()  # once: the rows this appends make the tree differ
-    for seed in SEEDS:
-        for preset, flags in PRESETS.items():
-            for regime in REGIMES:
-                run = os.path.join(out, program, f"{preset}-{regime}-s{seed}")
-                if finished(run):
-                    continue
-                args = [*flags, "--regime", regime, "--seed", str(seed), "--out", run, "--no-plot", *extra]
-                script = "train.py" if program == "train" else "lesson.py"
-                print(f"{time.strftime('%H:%M:%S')} {script} {' '.join(args)}", flush=True)
-                start, t0 = load(), time.time()
-                os.makedirs(os.path.dirname(run), exist_ok=True)
-                with open(run + ".log", "w") as f:
-                    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-                if r.returncode:
-                    raise SystemExit(f"{script} failed: see {run}.log")
-                row = dict(
-                    program=script,
-                    preset=preset,
-                    regime=regime,
-                    seed=seed,
-                    flags=extra,
-                    commit=commit,
-                    processor=processor,
-                    date=time.strftime("%Y-%m-%d %H:%M"),
-                    load_start=start,
-                    load_end=load(),
-                    run_s=round(time.time() - t0, 1),
-                    **summary(run),
-                )
-                marked.append("fidelity", row)
-                print(
-                    f"  {row['steps_per_min']:.1f} steps/min, stale {100 * row['stale']:.1f}%, "
-                    f"gen idle {100 * row['gen_idle']:.0f}%, load {start:.2f} -> {row['load_end']:.2f}",
-                    flush=True,
-                )
+def run_one(program, preset, regime, seed, extra, out, stamp):
+    """One run into out/<program>/<preset>-<regime>-s<seed>, and its row onto the data file. train.py
+    runs alone (its time is the measurement); lesson.py's at nice 19 on one thread (its time is counted)."""
+    run = os.path.join(out, program, f"{preset}-{regime}-s{seed}")
+    if finished(run):
+        return
+    args = [*PRESETS[preset], "--regime", regime, "--seed", str(seed), "--out", run, "--no-plot", *extra]
+    script, env, nice = "train.py", None, []
+    if program == "lesson":
+        script, env, nice = "lesson.py", dict(os.environ, OMP_NUM_THREADS="1"), ["nice", "-n", "19"]
+    print(f"{time.strftime('%H:%M:%S')} {script} {' '.join(args)}", flush=True)
+    start, t0 = load(), time.time()
+    os.makedirs(os.path.dirname(run), exist_ok=True)
+    with open(run + ".log", "w") as f:
+        r = subprocess.run(
+            [*nice, sys.executable, script, *args], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT
+        )
+    if r.returncode:
+        raise SystemExit(f"{script} failed: see {run}.log")
+    row = dict(program=script, preset=preset, regime=regime, seed=seed, flags=extra, **stamp)
+    row.update(
+        date=time.strftime("%Y-%m-%d %H:%M"), load_start=start, load_end=load(), run_s=round(time.time() - t0, 1)
+    )
+    row.update(summary(run))
+    marked.append("fidelity", row)
+    print(
+        f"  {row['steps_per_min']:.1f} steps/min, stale {100 * row['stale']:.1f}%, "
+        f"gen idle {100 * row['gen_idle']:.0f}%, load {start:.2f} -> {row['load_end']:.2f}",
+        flush=True,
+    )
+
+
+def run_all(program, extra, out, jobs=1):
+    stamp = dict(commit=marked.commit(), processor=marked.processor())  # once: the rows make the tree differ
+    cells = [(p, r, s) for s in SEEDS for p in PRESETS for r in REGIMES]
+    if program == "train":
+        jobs = 1  # alone on the machine: two at once would time each other
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(lambda c: run_one(program, *c, extra, out, stamp), cells))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("program", choices=["train", "lesson", "table"])
     p.add_argument("--out", default=os.path.join(ROOT, "out", "fidelity"))
+    p.add_argument("--jobs", type=int, default=1, help="lesson.py runs at a time (train.py's run alone)")
     a, extra = p.parse_known_args()  # the rest: flags for every run (the lesson's: its costs)
     if a.program != "table":
-        run_all(a.program, extra, a.out)
+        run_all(a.program, extra, a.out, a.jobs)
     print(fidelity_table() + "\n\n" + bound_table())
 
 

@@ -14,9 +14,9 @@ picks the grid up where the file leaves it.
     .venv/bin/python lab/frontier.py --figure         # docs/frontier.png, from the same file
     .venv/bin/python lab/frontier.py --rerun gen-slower-lr-x1/tis/stale-eta2-s0   # md5 of answers.jsonl again
 
-Everything below was written down before the first run of this grid (the grid of 2026-12-04,
-all `recompute`, at one learning rate, with eta 8 and 16 that never got past lag ~3, is in
-lab/archive.md as it was; nothing of it is reused).
+Everything below but the rule against `sync` and its power was written down before the first
+run of this grid (the grid of 2026-12-04, all `recompute`, at one learning rate, with eta 8 and
+16 that never got past lag ~3, is in lab/archive.md as it was; nothing of it is reused).
 
 The runs. Each cell is `lesson.py --preset long --lr-schedule constant --eval-every 0` with the
 block's `--lr` and `--train-s`, the loss's flags, `--seed s` and `--eval-at` the block's budgets:
@@ -51,15 +51,24 @@ The rules:
   are recorded in the data file and used by every run of the block.
 - Stale against recompute: at each eta and budget, stale - recompute per seed (paired: the
   same seed samples the same problems), the mean with its 95% t interval over the seeds.
-  "cannot tell" where the interval holds 0. Beside it the difference the seeds could detect
-  with 80% power, (t_.975 + t_.80) x sd / sqrt(n) with the pairs' sd (the interval's half-width
-  is found only about half the time).
-- The best setting of a block and loss: of its 9 settings (sync; stale and recompute at each
-  eta), the highest mean pass@1 at the last budget, a tie going to the setting listed first
-  (sync, then smaller eta, stale before recompute). Beside it every setting whose paired
-  difference from the best has a 95% t interval holding 0: the seeds cannot tell them apart.
+  "cannot tell" where the interval holds 0.
 - 5 seeds (3, 4 added) for the `tis` stale and recompute runs at the (block, eta) where `tis`
   `stale` trained the largest mean share of stale tokens over seeds 0-2.
+
+The rule against `sync` and its power, written after the runs and applied to data gathered under
+the rule they replace (so not a pre-registration; issue 68 says why that one was unsound: the
+best of 9 means, then uncorrected intervals against it, and each cell's power from its own pairs):
+- Per block and loss, at its last budget: a block where every setting's mean pass@1, `sync`'s
+  too, ends below the starting model (START) diverges, and is said so, not ranked.
+- Otherwise each of the 8 other settings against the one reference, `sync` (on-policy),
+  setting - sync per seed (seeds 0-2), its t interval at 1 - 0.05/8 (Bonferroni over the
+  block's 8 comparisons): "better" or "worse" only where that interval excludes 0, else
+  "cannot tell".
+- Power, beside every interval (stale - recompute at 95%, setting - sync at 1 - 0.05/8): the
+  difference the seeds detect 80% of the time, (t_level + t_.80) x sd / sqrt(n), with sd pooled
+  over the block's differences of that kind (every eta and budget; every setting against
+  `sync`), not each cell's own 3 pairs, whose spread is itself a guess (the interval's
+  half-width alone is found only about half the time).
 """
 
 import argparse
@@ -79,13 +88,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
 from system.runlog import per_token, read_jsonl  # noqa: E402
-from stats import interval, mean_std, said, show_paired, verdict  # noqa: E402
+from stats import detectable, interval, mean_std, pooled_sd, said, show_paired, verdict  # noqa: E402
 
 DATA = os.path.join(ROOT, "lab", "data", "frontier.jsonl")
 SEEDS, EXTRA_SEEDS = (0, 1, 2), (3, 4)
 ETAS = (1, 2, 4, 8)
 REGIMES = ("stale", "recompute")
-SETTINGS = [("sync", 0)] + [(regime, eta) for eta in ETAS for regime in REGIMES]  # in the rule's tie order
+SETTINGS = [("sync", 0)] + [(regime, eta) for eta in ETAS for regime in REGIMES]  # the tables' row order
 BASE = ("--preset", "long", "--lr-schedule", "constant", "--eval-every", "0", "--steps", "1000")
 TRAIN_S = {"gen-slower": 1.16e-4, "train-slower": 4.64e-4}  # lesson.py's measured clock, and training 4x slower
 LR = {"x1": 6e-5, "x4": 2.4e-4}  # the long preset's, and 4x it
@@ -105,6 +114,11 @@ ORDER = [  # (block, loss) in the order they run: the default loss first, at bot
     ("gen-slower-lr-x4", "gspo"),
 ]
 PROBE_STEPS = (10, 20, 40)  # the budgets: when the block's sync probe ends these steps
+REFERENCE = ("sync", 0)  # the setting every other is compared with: the on-policy baseline
+# pass@1 at step 0 of tiny-long, the long preset's warm start, on the 512 problems a run evaluates
+# (docs/presets.md): the runs evaluate at the budgets alone (--eval-every 0), so the data file does not hold it
+START = 0.469
+DIVERGES = "diverges: every setting ends below the starting model"
 
 
 def cell_flags(block, loss, regime, eta, seed):
@@ -286,20 +300,30 @@ def cells(runs, block, loss, regime, eta, seeds=SEEDS):
     return got if None not in got else None
 
 
-def best_setting(accs):
-    """The rule: accs {setting: [pass@1 at the last budget per seed, seed order]} (settings in tie order) ->
-    (the best, every setting whose paired difference from it has a 95% t interval holding 0, the best too)."""
-    top = max(accs, key=lambda k: (statistics.mean(accs[k]), -list(accs).index(k)))
-    same = []
-    for k in accs:
-        _, lo, hi, _ = interval([100 * (a - b) for a, b in zip(accs[k], accs[top])])
-        if k == top or (lo is not None and lo <= 0 <= hi):
-            same.append(k)
-    return top, same
+def diverges(accs):
+    """accs {setting: [pass@1 at the last budget per seed]} -> True where every setting's mean is below START."""
+    return all(statistics.mean(a) < START for a in accs.values())
+
+
+def against_sync(accs):
+    """The rule: accs {setting: [pass@1 at the last budget per seed, seed order]}, sync among them -> None where
+    the block diverges, else ({setting: (mean, low, high, verdict)} of each setting - sync in points, paired by
+    seed, its t interval Bonferroni-corrected over the comparisons; the difference detectable with 80% power at
+    that level from the sd pooled over all the comparisons' differences)."""
+    if diverges(accs):
+        return None
+    ref = accs[REFERENCE]
+    diffs = {k: [100 * (a - b) for a, b in zip(v, ref)] for k, v in accs.items() if k != REFERENCE}
+    ruled = {}
+    for k, d in diffs.items():
+        m, lo, hi, _ = interval(d, tests=len(diffs))
+        ruled[k] = (m, lo, hi, {"higher": "better", "lower": "worse"}.get(verdict(lo, hi), "cannot tell"))
+    return ruled, detectable(pooled_sd(diffs.values()), len(ref), tests=len(diffs))
 
 
 def block_table(data, block, loss):
-    """The (block, loss) table: every setting at every budget, lag reached, off-policy measures."""
+    """The (block, loss) table: every setting at every budget, lag reached, off-policy measures, stale - recompute,
+    and the rule against `sync`; with what the rule says: None (runs missing), DIVERGES, or against_sync's."""
     runs, budgets = data["runs"], data["budgets"].get(block)
     rows = {s: cells(runs, block, loss, *s) for s in SETTINGS}
     if budgets is None or None in rows.values():
@@ -331,23 +355,32 @@ def block_table(data, block, loss):
             f" | {mean('ess', '{:.3f}')} | {mean('kl', '{:.1e}')} | {pct(rs, 'clipped')}"
             f" | {statistics.mean(r['finished_right'] for r in rs):.0f} of {rs[0]['answers']} |"
         )  # fmt: skip
+    diffs = {(eta, t): d for _, _, eta, t, d in stale_minus_recompute(data, [(block, loss)])}
+    sd = pooled_sd(diffs.values())  # over every eta and budget: 3 pairs alone say little of their spread
     lines += [
         "",
-        "stale - recompute, paired by seed (points: mean [95% t interval]; 80%: the difference the seeds "
-        "would detect with 80% power)",
+        "stale - recompute, paired by seed (points: mean [95% t interval]; 80%: detectable from the block's "
+        f"pooled sd, {sd:.1f} points over every eta and budget: the difference the seeds would detect with 80% power)",
         "",
     ]
     lines += ["| eta | " + " | ".join(f"at {float(t):g} s" for t in ts) + " |", "|---" * (1 + len(ts)) + "|"]
-    diffs = {(eta, t): d for _, _, eta, t, d in stale_minus_recompute(data, [(block, loss)])}
     for eta in ETAS:
         five = " (5 seeds)" if len(diffs[eta, ts[0]]) > len(SEEDS) else ""
-        lines.append(f"| {eta}{five} | " + " | ".join(said(diffs[eta, t]) for t in ts) + " |")
-    top, same = best_setting({k: [r["acc"][ts[-1]] for r in v] for k, v in rows.items()})
-    label = lambda k: "sync" if k[0] == "sync" else f"{k[0]} eta {k[1]}"
-    others = [label(k) for k in same if k != top]
-    lines += ["", f"Best at {float(ts[-1]):g} s by the rule: **{label(top)}**; the seeds cannot tell it from "]
-    lines[-1] += (", ".join(others) if others else "no other setting") + "."
-    return "\n".join(lines), (top, same)
+        lines.append(f"| {eta}{five} | " + " | ".join(said(diffs[eta, t], sd) for t in ts) + " |")
+    ruled = against_sync({k: [r["acc"][ts[-1]] for r in v] for k, v in rows.items()})
+    lines.append("")
+    if ruled is None:
+        lines.append(f"Not ranked: at {float(ts[-1]):g} s this block {DIVERGES} ({START:.3f}).")
+        return "\n".join(lines), DIVERGES
+    against, power = ruled
+    level = f"{1 - 0.05 / len(against):.1%}"
+    lines.append(
+        f"Against `sync` at {float(ts[-1]):g} s (each setting - `sync`, paired by seed; {level} t intervals, "
+        f"Bonferroni over {len(against)}): "
+        + "; ".join(f"{setting_name(k)} {show_paired(v[:3])} {v[3]}" for k, v in against.items())
+        + f". 80%: detectable from the block's pooled sd at {level}: {power:.1f}."
+    )
+    return "\n".join(lines), ruled
 
 
 def stale_minus_recompute(data, pairs=ORDER):
@@ -426,8 +459,8 @@ def setting_name(k):
 
 def decision(data=None):
     """The table a user reads before a run: rows the trainer's speed, columns the learning rate; in each
-    cell, per loss measured there, the best setting by the rule, its pass@1 at the last budget, and
-    the settings the seeds cannot tell from it."""
+    cell, per loss measured there, what the rule says at the last budget: `sync`'s pass@1, the settings
+    better and worse than it, and the difference the block's seeds detect with 80% power; or that it diverges."""
     data = data or read_data()
     lines = [
         "| | the preset's lr (6e-5) | 4x (2.4e-4) |",
@@ -442,15 +475,26 @@ def decision(data=None):
                 continue
             said_here = []
             for loss in BLOCKS[block][2]:
-                text, best = block_table(data, block, loss)
-                if best is None:
+                text, ruled = block_table(data, block, loss)
+                if ruled is None:
                     said_here.append(f"`{loss}`: {text.strip('()').split(': ', 1)[1]}")
                     continue
-                top, same = best
+                if ruled == DIVERGES:
+                    said_here.append(f"`{loss}`: {DIVERGES} ({START:.3f})")
+                    continue
+                against, power = ruled
                 t = str(data["budgets"][block][-1])
-                acc = statistics.mean(r["acc"][t] for r in cells_of(data, block, loss, top))
-                others = ", ".join(setting_name(k) for k in same if k != top) or "none"
-                said_here.append(f"`{loss}`: {setting_name(top)}, {acc:.3f}; cannot tell from: {others}")
+                sync = statistics.mean(r["acc"][t] for r in cells_of(data, block, loss, REFERENCE))
+                by = {v: [k for k in against if against[k][3] == v] for v in ("better", "worse", "cannot tell")}
+                told = [
+                    f"{v}: " + (", ".join(f"{setting_name(k)} {show_paired(against[k][:3])}" for k in by[v]) or "none")
+                    for v in ("better", "worse")
+                ]
+                n = len(by["cannot tell"])
+                rest = f"all {n}" if n == len(against) else f"the other {n}"
+                said_here.append(
+                    f"`{loss}`: `sync` {sync:.3f}; " + "; ".join(told) + f"; cannot tell: {rest}; 80%: {power:.1f}"
+                )
             cells.append("<br>".join(said_here))
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -16,10 +16,10 @@ def t(p, df):
     return float(student_t.ppf(p, df))
 
 
-def detectable(sd, n):
+def detectable(sd, n, tests=1):
     """The difference n paired seeds of spread sd detect with 80% power at 95%: (t_.975 + t_.80) x sd / sqrt(n)
-    (the interval's half-width alone is found only about half the time)."""
-    return (t(0.975, n - 1) + t(0.80, n - 1)) * (sd / n**0.5)
+    (the interval's half-width alone is found only about half the time); with `tests`, at 1 - 0.05/tests each."""
+    return (t(1 - 0.025 / tests, n - 1) + t(0.80, n - 1)) * (sd / n**0.5)
 
 
 def tost_detectable(sd, n):
@@ -53,14 +53,15 @@ def tost(d, margin, alpha=0.05, tests=1):
     return dict(mean=m, low90=low90, high90=high90, low=low, high=high, verdict=said)
 
 
-def interval(d):
-    """(mean, low, high, detectable at 80% power) of paired differences d, in points; None bounds with < 2."""
+def interval(d, tests=1):
+    """(mean, low, high, detectable at 80% power) of paired differences d, in points; None bounds with < 2.
+    The interval is 95%, or with `tests` 1 - 0.05/tests (Bonferroni: `tests` intervals all hold 95% of the time)."""
     m = statistics.mean(d)
     if len(d) < 2:
         return m, None, None, None
     sd = statistics.stdev(d)
-    se = sd / len(d) ** 0.5
-    return m, m - t(0.975, len(d) - 1) * se, m + t(0.975, len(d) - 1) * se, detectable(sd, len(d))
+    half = t(1 - 0.025 / tests, len(d) - 1) * sd / len(d) ** 0.5
+    return m, m - half, m + half, detectable(sd, len(d), tests)
 
 
 def t_interval(d):
@@ -85,11 +86,13 @@ def show_paired(d):
     return f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]" if len(d) == 3 else f"{d[0]:+.1f}"
 
 
-def said(d):
-    """Paired differences d as the write-up says them: mean [low, high], the verdict, and what 80% power detects."""
+def said(d, sd=None):
+    """Paired differences d as the write-up says them: mean [low, high], the verdict, and what 80% power detects
+    (from d's own spread, or from `sd`, a spread pooled over more than d)."""
     m, lo, hi, power = interval(d)
     if lo is None:
         return f"{m:+.1f} (one seed)"
+    power = power if sd is None else detectable(sd, len(d))
     return f"{show_paired((m, lo, hi))} {verdict(lo, hi)}; 80%: {power:.1f}"
 
 

@@ -182,24 +182,82 @@ def test_pace_columns_and_claims_by_hand(tmp_path):
     assert cells[1:3] == ["+150", "[+150, +150]"] and cells[4:] == ["2", "yes", "[+150, +150]"], row
 
 
-def test_frontier_rule_by_hand():
-    """lab/frontier.py's rule, on numbers worked by hand (multiples of 1/8, so that means tie
-    exactly): the highest mean pass@1 at the last budget, a tie to the setting listed first;
-    beside it every setting whose paired 95% t interval holds 0. `stale` 1, `recompute` 1 and
-    `stale` 2 all average 0.625: `stale` 1 is listed first. `recompute` 1 differs from it by
-    -12.5, +12.5, 0 points (the interval holds 0), `stale` 2 by 0, 0, 0 ([0, 0] holds 0);
-    `sync` by -12.5 at every seed ([-12.5, -12.5], without 0)."""
-    from lab.frontier import best_setting
+def test_frontier_rule_against_sync_by_hand():
+    """lab/frontier.py's rule on numbers worked by hand. With 2 degrees of freedom Student's t has a closed
+    form, t_p = a sqrt(2 / (1 - a^2)) with a = 2p - 1: t_.975 = 4.303, t_.80 = 1.061, and at 1 - 0.05/8 two-sided
+    (p = 0.996875, a = 0.99375) 12.590. Against `sync` (0.5 at every seed): `stale` 1 by 4, 5, 6 points, mean 5,
+    se 1/sqrt(3) = 0.5774: its 95% interval [+2.5, +7.5] excludes 0, but Bonferroni over 8 comparisons gives
+    5 +- 12.590 x 0.5774 = [-2.3, +12.3]: cannot tell. `recompute` 1 by 20, 21, 22: [+13.7, +28.3], better;
+    `stale` 2 by -22, -21, -20: worse; the other five by 0, 0, 0. Power from the pooled sd, sqrt((3 x 2 x 1 +
+    5 x 0) / 16) = 0.6124: (12.590 + 1.061) x 0.6124 / sqrt(3) = 4.8, where `stale` 1's own pairs give 7.9 and
+    the five whose pairs agree 0."""
+    from lab.frontier import SETTINGS, against_sync
+    from lab.stats import interval
 
-    accs = {
-        ("sync", 0): [0.5, 0.375, 0.625],
-        ("stale", 1): [0.625, 0.5, 0.75],
-        ("recompute", 1): [0.5, 0.625, 0.75],
-        ("stale", 2): [0.625, 0.5, 0.75],
-    }
-    assert best_setting(accs) == (("stale", 1), [("stale", 1), ("recompute", 1), ("stale", 2)])
-    flipped = dict(reversed(list(accs.items())))  # now `stale` 2 is listed first of the three
-    assert best_setting(flipped)[0] == ("stale", 2)
+    accs = {k: [0.5, 0.5, 0.5] for k in SETTINGS}
+    accs[("stale", 1)] = [0.54, 0.55, 0.56]
+    accs[("recompute", 1)] = [0.70, 0.71, 0.72]
+    accs[("stale", 2)] = [0.28, 0.29, 0.30]
+    assert [round(x, 1) for x in interval([4, 5, 6])[:3]] == [5.0, 2.5, 7.5]  # uncorrected: above 0
+    ruled, power = against_sync(accs)
+    show = lambda k: [round(x, 1) for x in ruled[k][:3]] + [ruled[k][3]]  # noqa: E731
+    assert show(("stale", 1)) == [5.0, -2.3, 12.3, "cannot tell"]
+    assert show(("recompute", 1)) == [21.0, 13.7, 28.3, "better"]
+    assert show(("stale", 2)) == [-21.0, -28.3, -13.7, "worse"]
+    assert show(("stale", 8)) == [0.0, 0.0, 0.0, "cannot tell"] and len(ruled) == 8
+    assert round(power, 1) == 4.8
+
+
+def frontier_data(block, loss, acc):
+    """A made-up data file's contents for one (block, loss) at one budget: acc(regime, eta, seed) -> pass@1."""
+    run = dict(steps=10, steps_per_min=1.0, lag_mean=0.0, lag_max=0, stale=0.0, recomputed=0.0, ess=1.0, kl=0.0)
+    run |= dict(clipped=0.0, finished_right=1, answers=2, processor="p")
+    from lab.frontier import SEEDS, SETTINGS, cell_name
+
+    runs = {cell_name(block, loss, *k, s): run | dict(acc={"10.0": acc(*k, s)}) for k in SETTINGS for s in SEEDS}
+    return dict(budgets={block: [10.0]}, runs=runs)
+
+
+def test_frontier_power_comes_from_the_blocks_pooled_sd():
+    """stale - recompute at one budget: at eta 1 by 0, 0, 0 points (its own pairs would say 80%: 0.0), at eta 2,
+    4, 8 by -2, 0, +2 (variance 4 each): pooled, sqrt((0 + 3 x 2 x 4) / 8) = sqrt(3), and the difference 3 seeds
+    detect with 80% power is (4.303 + 1.061) x sqrt(3) / sqrt(3) = 5.4 in every cell. Against `sync` (0.5
+    throughout), the differences are recompute's zeros and stale's: pooled sqrt(3 x 2 x 4 / 16) = 1.2247, so
+    (12.590 + 1.061) x 1.2247 / sqrt(3) = 9.7 at Bonferroni's 1 - 0.05/8."""
+    from lab.frontier import block_table, decision
+
+    ds = {1: (0, 0, 0), 2: (-2, 0, 2), 4: (-2, 0, 2), 8: (-2, 0, 2)}
+    acc = lambda regime, eta, s: 0.5 + (ds[eta][s] / 100 if regime == "stale" else 0)  # noqa: E731
+    data = frontier_data("gen-slower-lr-x1", "tis", acc)
+    text, _ = block_table(data, "gen-slower-lr-x1", "tis")
+    assert "80%: detectable from the block's pooled sd, 1.7 points" in text, text
+    (row1,) = [line for line in text.splitlines() if line.startswith("| 1 |")]
+    (row2,) = [line for line in text.splitlines() if line.startswith("| 2 |")]
+    assert row1 == "| 1 | +0.0 [+0.0, +0.0] cannot tell; 80%: 5.4 |", row1
+    assert row2 == "| 2 | +0.0 [-5.0, +5.0] cannot tell; 80%: 5.4 |", row2  # 2 / sqrt(3) x 4.303 = 4.97
+    row = decision(data).splitlines()[2]
+    assert "`tis`: `sync` 0.500; better: none; worse: none; cannot tell: all 8; 80%: 9.7<br>" in row, row
+
+
+def test_frontier_labels_a_diverging_block_and_does_not_rank_it():
+    """Every setting's mean pass@1 at the last budget below the starting model's 0.469 (sync 0.40, the rest
+    0.30 and 0.44): the block diverges, and the tables say so instead of ranking it; sync at 0.47 (above 0.469)
+    and the same block is ranked: the 8 others all worse (by 17 or 3 points at every seed)."""
+    from lab.frontier import DIVERGES, START, block_table, decision, diverges
+
+    assert START == 0.469
+    low = lambda regime, eta, s: {"sync": 0.40, "stale": 0.30, "recompute": 0.44}[regime]  # noqa: E731
+    data = frontier_data("gen-slower-lr-x4", "tis", low)
+    text, ruled = block_table(data, "gen-slower-lr-x4", "tis")
+    assert ruled == DIVERGES and text.endswith(f"Not ranked: at 10 s this block {DIVERGES} (0.469).")
+    assert "Against `sync`" not in text
+    assert "`tis`: diverges: every setting ends below the starting model (0.469)<br>" in decision(data)
+    up = lambda regime, eta, s: 0.47 if regime == "sync" else low(regime, eta, s)  # noqa: E731
+    data = frontier_data("gen-slower-lr-x4", "tis", up)
+    assert not diverges({("sync", 0): [0.47, 0.47, 0.47], ("stale", 1): [0.3, 0.3, 0.3]})
+    text, (against, _) = block_table(data, "gen-slower-lr-x4", "tis")
+    assert [v[3] for v in against.values()] == ["worse"] * 8, against
+    assert "diverges" not in decision(data)
 
 
 def test_frontier_says_intervals_and_power_by_hand():

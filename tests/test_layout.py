@@ -352,8 +352,8 @@ def test_the_course_says_none_of_what_was_wrong():
 
 def long_docstrings(paths):
     """[(file, name, docstring lines, the bound)] of every docstring in `paths` longer than its bound: a
-    module's 25 lines; a function's or a class's 6, or its own body's lines (not blank), whichever is
-    larger (a class's body is its methods: only its docstring's own 6 count)."""
+    module's 25 lines; a function's or a class's 6, or its own body's lines (not blank: a class's are
+    its methods' too), whichever is larger."""
     bad = []
     for path in paths:
         text = open(path).read()
@@ -369,7 +369,7 @@ def long_docstrings(paths):
                 continue
             rest = node.body[1:]
             body = sum(1 for x in lines[rest[0].lineno - 1 : node.end_lineno] if x.strip()) if rest else 0
-            bound = 6 if isinstance(node, ast.ClassDef) else max(6, body)
+            bound = max(6, body)
             if len(doc.strip().splitlines()) > bound:
                 bad.append((os.path.relpath(path, ROOT), node.name, len(doc.strip().splitlines()), bound))
     return bad

@@ -96,30 +96,24 @@ class Discard:
 class Stale:
     """As PipelineRL does: load v+1 between two decode steps and keep going.
 
-    The KV cache is left as it is: for an answer with k tokens at the switch, the
-    KV of the prompt and the first k-1 tokens was written by v (token k has been
-    sampled but not yet fed through the model; v+1 writes its KV in the next
-    step). Every later token is sampled by v+1 attending to that old KV: flagged
-    stale. Its generation-time logprob is what that mixed computation gave, so
-    the trainer's importance weights see it as it was. Cost: none in compute;
-    the price is in the quality of the tokens after the switch."""
+    The KV cache stays as v wrote it, so every later token is sampled by v+1 attending to KV
+    written by v: flagged stale. Its logprob is what that mixed computation gave, so the
+    trainer's importance weights see it as it was. Cost: no compute; the price is in the
+    tokens after the switch."""
 
     def switch(self, gen, version, weights):
+        # an answer with k tokens: v wrote the KV of the prompt and tokens 1..k-1; token k was
+        # sampled but not yet fed through the model, so v+1 writes its KV in the next step
         gen.load_weights(version, weights)
         return True
 
 
 class Recompute:
-    """As AReaL does: load v+1, then rebuild the KV of prompt + partial answer under
-    v+1 and keep going.
-
-    vLLM has no call to overwrite a running request's KV, so the answer is
-    aborted (freeing its KV) and re-submitted with prompt + partial answer as
-    the new prompt: one prefill under v+1 rebuilds all of it (prefix caching is
-    off, so no block written by v can be reused). The partial answer keeps its
-    original tokens, logprobs and versions: those tokens were sampled by v and
-    the trainer must weight them as such. No token reads stale KV. Cost: one
-    prefill of prompt + partial per answer in flight (recomputed_tokens)."""
+    """As AReaL does: load v+1, then rebuild the KV of prompt + partial answer under v+1 and
+    keep going. vLLM cannot overwrite a running request's KV, so the answer is aborted (its KV
+    freed) and submitted again with prompt + partial answer as its prompt: one prefill under
+    v+1. Its tokens keep their logprobs and versions (v sampled them). No token reads stale KV.
+    Cost: that prefill per answer in flight (recomputed_tokens)."""
 
     def switch(self, gen, version, weights):
         aborted = gen.abort_all()

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-PAGES = ("README.md", "docs/course.md", "lab/RESULTS.md")
+PAGES = ("README.md", "docs/course.md", "lab/RESULTS.md", "lab/frontier.md")
 # lab/<name>.py, each with TABLES (and VALUES, if its numbers stand in sentences); its data is lab/data/<name>.jsonl
 TOOLS = ("course", "stress", "frontier", "sweep", "study", "fidelity", "equivalence", "sitting")
 # a block: its opening line, its text (lines, possibly none), its closing line

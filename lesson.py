@@ -84,14 +84,14 @@ def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=config.Help)
     config.add_flags(p, "lesson")  # train.py's flags, defaults and presets, where they apply
     # fmt: off
-    config.add_table(p, [  # the clock's costs, simulated seconds (tools/clock_costs.py fits them to a train.py run)
-        ("step-s",    float, 0.0183, "an engine step"),
-        ("answer-s",  float, 0.0,    "... plus this per answer the engine holds"),
-        ("kv-s",      float, 0.0,    "... plus this per token in their KV cache"),
-        ("prefill-s", float, 5.3e-5, "... plus this per token whose KV it prefills (a prompt, a rebuild)"),
-        ("busy-s",    float, 0.0,    "... plus this while the trainer trains (the two share a machine)"),
-        ("train-s",   float, 1.16e-4, "a trainer step, per token it runs through the model (grpo.run_tokens)"),
-        ("load-s",    float, 0.040,  "a weight load"),
+    config.add_table(p, [  # the clock's costs, simulated seconds: tools/clock_costs.py on train.py's runs (docstring)
+        ("step-s",    float, 2.69e-3, "an engine step"),
+        ("answer-s",  float, 7.42e-5, "... plus this per answer the engine holds"),
+        ("kv-s",      float, 2.97e-7, "... plus this per token in their KV cache"),
+        ("prefill-s", float, 2.52e-5, "... plus this per token whose KV it prefills (a prompt, a rebuild)"),
+        ("busy-s",    float, 1.6e-3,  "... plus this while the trainer trains (the two share a machine)"),
+        ("train-s",   float, 1.01e-4, "a trainer step, per token it runs through the model (grpo.run_tokens)"),
+        ("load-s",    float, 0.0485,  "a weight load"),
     ])
     # fmt: on
     p.add_argument("--eval-at", type=lambda s: sorted(map(float, s.split(","))), default=[], help=Budgets.__doc__)

@@ -3,9 +3,13 @@ The course's experiments (docs/course.md), each a few runs of lesson.py on its s
 clock, and their tables. The numbers are the same on every machine, up to its floating
 point: a second run of this command prints the same tables.
 
-    .venv/bin/python lab/course.py                      # every experiment (40 min alone on 2 cores; RESULTS.md)
+    .venv/bin/python lab/course.py                      # every experiment, one run at a time, one thread each
+    .venv/bin/python lab/course.py --jobs 2             # two runs at a time (one core each: the same files)
     .venv/bin/python lab/course.py regimes max_lag      # some of them
     .venv/bin/python lab/course.py --table-only         # the tables from the runs on disk
+
+Every run has one thread (OMP_NUM_THREADS=1): the trainer's sums are made in another order with
+another thread count, so a run is byte-reproducible on one processor at one count.
 
 Runs go to out/course/<experiment>/<label>/; a finished run is not run again, and a run
 that two experiments share (the same lesson.py settings) runs once, in the first one's
@@ -24,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,6 +38,7 @@ import marked  # noqa: E402
 from system.runlog import per_token, read_jsonl  # noqa: E402
 
 LONG = ("--preset", "long")
+TRAIN_S = 1.01e-4  # lesson.py's default --train-s (tests/test_lesson.py checks that they agree)
 EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
     "regimes": (
         "the five regimes on the long preset, at the default costs",
@@ -40,9 +46,9 @@ EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
     ),
     "speed": (
         "stale tokens against the trainer's speed: --train-s, simulated seconds per trained token, "
-        "as a multiple of the default 1.16e-4",
+        f"as a multiple of the default {TRAIN_S:.2e}",
         [
-            (f"--train-s {1.16 * x:g}e-4 (x{x:g})", (*LONG, "--regime", "stale", "--train-s", f"{1.16 * x:g}e-4"))
+            (f"--train-s {TRAIN_S * x:.2e} (x{x:g})", (*LONG, "--regime", "stale", "--train-s", f"{TRAIN_S * x:.2e}"))
             for x in (0.25, 0.5, 1, 2, 4)
         ],
     ),
@@ -150,6 +156,8 @@ def table(name):
     earliest end among the rows, T: each run's last evaluation by then), then where the time went."""
     what, _ = EXPERIMENTS[name]
     rows = rows_of(name)
+    if not rows:
+        return f"**{name}**: {what}: not run at this clock yet (`lab/course.py {name}`)"
     t, equal = equal_time([s for _, s in rows])
     head = (
         f"| | pass@1 start -> end | pass@1 at {t} s | s to 0.55 | steps/min | stale tokens | lag "
@@ -189,7 +197,15 @@ def regime(label):
 
 
 TABLES = {f"course-{name}": functools.partial(table, name) for name in EXPERIMENTS} | {"regimes-short": readme_regimes}
-VALUES = {  # the README's sentence under its regimes table
+VALUES = {  # the README's numbers from its regimes table: "Why asynchronous", and the sentence under the table
+    "sync-wait": lambda: f"{100 * regime('sync')['waiting']:.0f}%",
+    "sync-pace": lambda: f"{regime('sync')['steps_per_min']:.1f}",
+    "stale-pace": lambda: f"{regime('stale')['steps_per_min']:.1f}",
+    "stale-lag": lambda: f"{regime('stale')['lag']:.2f}",  # and the worked examples' lags
+    "drain-lag": lambda: f"{regime('drain')['lag']:.2f}",
+    "drain-idle": lambda: f"{100 * regime('drain')['gen_idle']:.0f}%",  # the README's regimes table
+    "discard-thrown": lambda: f"{100 * regime('discard')['discarded']:.0f}%",
+    "recompute-again": lambda: f"{100 * regime('recompute')['recomputed']:.0f}%",
     "stale": lambda: f"{100 * regime('stale')['stale']:.0f}%",  # stale's trained tokens that read stale KV
     "pace": lambda: f"{regime('stale')['steps_per_min'] / regime('drain')['steps_per_min']:.1f}x",  # stale / drain
 }
@@ -200,6 +216,7 @@ def main():
     p.add_argument("experiments", nargs="*", help=f"which of {', '.join(EXPERIMENTS)} (default: all)")
     p.add_argument("--out", default=os.path.join("out", "course"), help="where the runs go")
     p.add_argument("--table-only", action="store_true", help="no new runs: tables from the runs on disk")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (each on one thread)")
     args = p.parse_args()
     unknown = [e for e in args.experiments if e not in EXPERIMENTS]
     if unknown:
@@ -216,19 +233,18 @@ def main():
                 os.path.join(args.out, name, "".join(c for c in label.replace("--", "_") if c.isalnum() or c in "._-")),
             )
             rows.setdefault(first[key], []).append([name, label])
+    wanted = {}  # run directory -> its flags, for the experiments asked for, in order
     for name in args.experiments or EXPERIMENTS:
         for label, flags in EXPERIMENTS[name][1]:
-            run = first[json.dumps(lesson.parse_config([*flags, "--out", "-"]), sort_keys=True)]
-            if not finished(run):
-                if args.table_only:
-                    continue
-                print(f"{name}: lesson.py {' '.join(flags)} -> {run}", file=sys.stderr, flush=True)
-                subprocess.run(
-                    [sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
-                    check=True,
-                    stdout=subprocess.DEVNULL,
-                )
+            wanted.setdefault(first[json.dumps(lesson.parse_config([*flags, "--out", "-"]), sort_keys=True)], flags)
+    todo = [(run, flags) for run, flags in wanted.items() if not finished(run)]
+    if todo and not args.table_only:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(lambda job: run_lesson(*job), todo))
+    for run, flags in wanted.items():
+        if finished(run):
             record(run, flags, rows[run])
+    for name in args.experiments or EXPERIMENTS:
         print(table(name) + "\n", flush=True)
     for name in EXPERIMENTS:
         found = [lines for _, lines in lines_of(name) if lines]
@@ -243,6 +259,17 @@ def main():
         print(f"wrote {name} into {page}", file=sys.stderr)
 
 
+def run_lesson(run, flags):
+    """One lesson.py run into `run`, on one thread."""
+    print(f"lesson.py {' '.join(flags)} -> {run}", file=sys.stderr, flush=True)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+
+
 def record(run, flags, rows):
     """The run's summary onto lab/data/course.jsonl, unless its last line there says the same already
     (a second --table-only adds nothing): the tables are built from those lines alone."""
@@ -252,6 +279,7 @@ def record(run, flags, rows):
         flags=list(flags),
         seed=json.load(open(os.path.join(run, "config.json")))["seed"],
         code=marked.commit(),
+        processor=marked.processor(),
         answers_md5=hashlib.md5(open(os.path.join(run, "answers.jsonl"), "rb").read()).hexdigest(),
     )
     marked.record("course", line, key=("rows",))

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PAGES = ("README.md", "docs/course.md", "lab/RESULTS.md", "lab/frontier.md")
 # lab/<name>.py, each with TABLES (and VALUES, if its numbers stand in sentences); its data is lab/data/<name>.jsonl
-TOOLS = ("course", "stress", "frontier", "sweep", "study", "fidelity", "equivalence", "sitting")
+TOOLS = ("course", "stress", "frontier", "sweep", "study", "fidelity", "equivalence", "sitting", "walkthrough")
 # a block: its opening line, its text (lines, possibly none), its closing line
 BLOCK = re.compile(r"^<!-- table: ([\w.-]+) -->\n(.*?)^<!-- end -->$", re.M | re.S)
 # a value: its name in an HTML comment, its text (within one line), an empty comment (short: the README counts them)

@@ -275,3 +275,13 @@ def test_the_first_sitting_is_what_the_loop_calls(tmp_path):
     tuples = {n for n in listed if isinstance(getattr(lesson, n, None), type) and issubclass(getattr(lesson, n), tuple)}
     never = sorted(n for n in listed - tuples if not any(q == n or q.startswith(n + ".") for q in called))
     assert not never, f"on the sitting's list, never called: {never}"
+
+
+@pytest.mark.fast
+def test_the_course_scales_the_lessons_own_trainer_cost():
+    sys.path.insert(0, os.path.join(ROOT, "lab"))
+    import course
+
+    assert course.TRAIN_S == lesson.parse_config(["--out", "-"])["train_s"]
+    x1 = [flags for label, flags in course.EXPERIMENTS["speed"][1] if label.endswith("(x1)")]
+    assert lesson.parse_config([*x1[0], "--out", "-"]) == lesson.parse_config(["--preset", "long", "--regime", "stale", "--out", "-"])

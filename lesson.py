@@ -173,10 +173,12 @@ def main(argv=None, engine=None):
             gen.evaluate(eval_ids, cfg["max_new_tokens"]), tokenizer, test, cfg["dataset"], log, step, version
         )
 
-    log.trainer("waiting")
     if cfg["eval_every"]:
+        gen.admit()  # train.py's generator admits its first prompts before the trainer's eval request comes
+        log.trainer("evaluating")
         log.metric(m := dict(step=0, wall_s=0.0, version=0, **evaluate(0, 0), eval_version=0))
         print(f"step 0 | eval v0 {m['eval_acc']:.3f}", flush=True)
+    log.trainer("waiting")
     version, step = 0, 0  # the weights the trainer holds; optimizer steps taken
     push = None  # a Push, from the end of a trainer step until the generator loads its weights
     free_at, last_stats, last_t = clock.now(), dict(gen.stats), clock.now()
@@ -223,6 +225,7 @@ def main(argv=None, engine=None):
                 version, last_stats, last_t, push = push.version, dict(gen.stats), now, None
                 budgets.loaded(version, step, now)
                 if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or step == cfg["steps"]):
+                    gen.admit()  # as train.py's: the next prompts go in with the load, before the eval request
                     log.trainer("evaluating")
                     m.update(evaluate(step, version), eval_version=version)  # the weights just loaded
                     free_at = clock.now()

@@ -160,8 +160,9 @@ def test_pace_keeps_rejecting_in_the_lesson(tmp_path):
     """--pool pace with a trainer slow enough that the generator runs to its bound: a rejected
     group leaves its place to a new one (each push tells the generator how many, as train.py's
     does), so PACE rejects more than the (max_lag + 1) x prompts_per_step = 12 groups it could
-    if they counted as admitted, trains none of them, and no token above --max-lag."""
-    out = run("stale", tmp_path, "--pool", "pace", "--train-s", "1e-3")
+    if they counted as admitted (12 steps: a run of 6 meets that cap by the end of its length
+    alone), trains none of them, and no token above --max-lag."""
+    out = run("stale", tmp_path, "--pool", "pace", "--train-s", "1e-3", "--steps", "12")
     metrics, answers = read(out, "metrics.jsonl"), read(out, "answers.jsonl")
     rejected = {x["group_id"] for x in answers if x["fate"] == "rejected"}
     assert len(rejected) == sum(m["rejected_groups"] for m in metrics) > (2 + 1) * 4
@@ -230,9 +231,13 @@ def test_weights_load_when_the_clock_says(regime, tmp_path):
     for t0, t1, answers, kv, prefilled in steps:
         terms = dict(step_s=1, answer_s=answers, kv_s=kv, prefill_s=prefilled, busy_s=busy(t0))
         assert t1 - t0 == pytest.approx(sum(COSTS[k] * x for k, x in terms.items()), abs=1e-9)
-    assert len({a for _, _, a, _, _ in steps}) > 5 and sum(busy(t0) for t0, *_ in steps) > 20  # the terms vary
+    assert len({a for _, _, a, _, _ in steps}) > 5 and sum(busy(t0) for t0, *_ in steps) > 5  # the terms vary
     out = subprocess.run(
-        [sys.executable, "tools/clock_costs.py", str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "tools/clock_costs.py", "--warmup", "0", str(tmp_path)],  # the lesson's clock needs none
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout.split()
     fitted = {flag[2:].replace("-", "_"): float(v) for flag, v in zip(out[::2], out[1::2])}
     assert fitted == pytest.approx(COSTS, rel=1e-2)
@@ -284,4 +289,6 @@ def test_the_course_scales_the_lessons_own_trainer_cost():
 
     assert course.TRAIN_S == lesson.parse_config(["--out", "-"])["train_s"]
     x1 = [flags for label, flags in course.EXPERIMENTS["speed"][1] if label.endswith("(x1)")]
-    assert lesson.parse_config([*x1[0], "--out", "-"]) == lesson.parse_config(["--preset", "long", "--regime", "stale", "--out", "-"])
+    assert lesson.parse_config([*x1[0], "--out", "-"]) == lesson.parse_config(
+        ["--preset", "long", "--regime", "stale", "--out", "-"]
+    )

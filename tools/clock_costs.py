@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from system.runlog import activity_spans, read_jsonl  # noqa: E402
 
-WARMUP = 50  # steps of each engine left out of the fit
+WARMUP = 50  # steps of each engine left out of the fit (--warmup; a lesson run's clock has none)
 TERMS = ("step_s", "answer_s", "kv_s", "prefill_s", "busy_s")  # seconds = step_s + answer_s x answers + ...
 
 
@@ -39,15 +39,15 @@ def training(run):
     return sorted((t0, t1) for proc, what, t0, t1 in activity_spans(events) if proc == "trainer" and what == "training")
 
 
-def engine_steps(run):
+def engine_steps(run, warmup=WARMUP):
     """[(seconds, answers, kv tokens, prefilled tokens, trainer training)] of every engine's steps past
-    its warm-up; the trainer counts as training when it was at the step's middle."""
+    its warm-up; the trainer counts as training when it was at the step's start (as the lesson charges)."""
     spans, rows = training(run), []
     starts = [t0 for t0, _ in spans]
     for path in sorted(glob.glob(os.path.join(run, "generator*-steps.jsonl"))):
-        for t0, t1, a, kv, p, *_ in read_jsonl(path)[WARMUP:]:
-            i = bisect.bisect_right(starts, (t0 + t1) / 2) - 1
-            rows.append((t1 - t0, a, kv, p, int(i >= 0 and (t0 + t1) / 2 < spans[i][1])))
+        for t0, t1, a, kv, p, *_ in read_jsonl(path)[warmup:]:
+            i = bisect.bisect_right(starts, t0) - 1
+            rows.append((t1 - t0, a, kv, p, int(i >= 0 and t0 < spans[i][1])))
     return rows
 
 
@@ -74,9 +74,9 @@ def loads(run):
     return [e["t1"] - e["t0"] for e in read_jsonl(os.path.join(run, "events.jsonl")) if e.get("mark") == "load"]
 
 
-def fit(runs):
+def fit(runs, warmup=WARMUP):
     """The lesson's cost flags from train.py run directories: {flag name: value}."""
-    steps = [row for run in runs for row in engine_steps(run)]
+    steps = [row for run in runs for row in engine_steps(run, warmup)]
     if len(steps) < 100:
         raise SystemExit(f"clock_costs.py: {len(steps)} engine steps past the warm-up: too few to fit")
     costs = dict(zip(TERMS, least_squares(steps)))
@@ -94,13 +94,15 @@ def flags(costs):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="train.py run directories (out/<run>)")
-    runs = p.parse_args().runs
+    p.add_argument("--warmup", type=int, default=WARMUP, help="each engine's first steps left out (vLLM's are slow)")
+    args = p.parse_args()
+    runs = args.runs
     for run in runs:
         if not glob.glob(os.path.join(run, "generator*-steps.jsonl")):
             raise SystemExit(
                 f"clock_costs.py: {run} has no generator-steps.jsonl (not a train.py run, or an older one)"
             )
-    print(flags(fit(runs)))
+    print(flags(fit(runs, args.warmup)))
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ regime (regimes.py) decides what happens to the answers half-written when they l
 runs the same classes in two processes at once; here one process plays both in turn, and what
 each piece of work costs is counted, not measured (SimClock): an engine step by what it holds,
 a trainer step by the tokens it runs through the model, a load. So a run is a pure function of
-its flags and seed: every number that depends on timing (stale tokens, lag, idle time) is the
-same on every run. The default costs were fitted to train.py's own runs by tools/clock_costs.py,
-and the lesson keeps train.py's time in every regime (lab/RESULTS.md, "The lesson's clock");
-fit yours to one run of your machines the same way. Times in the log are simulated seconds.
+its flags and seed (on one processor, at one thread count): every number that depends on timing
+(stale tokens, lag, idle time) is the same on every run. The default costs were fitted to
+train.py's own runs by tools/clock_costs.py, and lab/fidelity.py checks the lesson against those
+runs regime by regime (lab/RESULTS.md); fit yours to one run of your machines the same way.
+Times in the log are simulated seconds.
 """
 
 import argparse

@@ -103,13 +103,23 @@ def rows(program):
     return out
 
 
+def misses():
+    """(lesson numbers outside the rule, lesson numbers compared)."""
+    real, sim, out, n = rows("train.py"), rows("lesson.py"), 0, 0
+    for cell, l in sim.items():
+        for _, key, _ in COLUMNS:
+            if real.get(cell):
+                n += 1
+                out += not within(sum(r[key] for r in l) / len(l), [r[key] for r in real[cell]])
+    return out, n
+
+
 def fidelity_table():
     """train.py (each cell its seeds' mean and min-max) against lesson.py at the fitted costs (its
     seeds' mean), a mark on each lesson number outside the rule (within)."""
     real, sim = rows("train.py"), rows("lesson.py")
     head = "| preset | regime | | " + " | ".join(name for name, _, _ in COLUMNS) + " |"
     lines = [head, "|" + "---|" * (3 + len(COLUMNS))]
-    misses = 0
     for preset in PRESETS:
         for regime in REGIMES:
             t, l = real.get((preset, regime)), sim.get((preset, regime))
@@ -125,10 +135,45 @@ def fidelity_table():
                 for _, key, fmt in COLUMNS:
                     mean = sum(r[key] for r in l) / len(l)
                     ok = within(mean, [r[key] for r in t])
-                    misses += not ok
                     cells.append(fmt.format(mean) + ("" if ok else " **x**"))
                 lines.append(f"| | | lesson.py, {len(l)} seeds | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\n{misses} lesson numbers outside the rule (**x**)."
+    return "\n".join(lines) + "\n\n{} of {} lesson numbers outside the rule (**x**).".format(*misses())
+
+
+# the comparisons the course asks a student to predict: (name, numerator, denominator or None, key)
+RATIOS = [
+    ("`stale` / `sync` steps/min", "stale", "sync", "steps_per_min"),
+    ("`stale` / `drain` steps/min", "stale", "drain", "steps_per_min"),
+    ("`discard` / `drain` steps/min", "discard", "drain", "steps_per_min"),
+    ("`drain`: generator idle or draining", "drain", None, "gen_idle"),
+]
+
+
+def ratio(program, preset, a, b, key):
+    """[one value per seed]: a's over b's (the same seed's runs, made one after the other, so a
+    machine's drift over the afternoon is in both), or a's alone."""
+    got = {(r["regime"], r["seed"]): r[key] for cell in rows(program).values() for r in cell if r["preset"] == preset}
+    seeds = sorted({s for (reg, s) in got if reg == a and (b is None or (b, s) in got)})
+    return [got[a, s] / got[b, s] if b else got[a, s] for s in seeds]
+
+
+def ratio_table():
+    """The comparisons the course asks about, train.py's seed by seed (mean and min-max) beside the lesson's."""
+    lines = ["| preset | | " + " | ".join(name for name, *_ in RATIOS) + " |", "|---|---|" + "---|" * len(RATIOS)]
+    for preset in PRESETS:
+        for program in ("train.py", "lesson.py"):
+            cells = []
+            for _, a, b, key in RATIOS:
+                v = ratio(program, preset, a, b, key)
+                fmt = "{:.0%}" if b is None else "{:.2f}x"
+                spread = f" ({fmt.format(min(v))}-{fmt.format(max(v))})" if len(v) > 1 else ""
+                cells.append(fmt.format(sum(v) / len(v)) + spread if v else "-")
+            lines.append(
+                f"| {preset} | {program}, {len(ratio(program, preset, 'sync', None, 'seed'))} seeds | "
+                + " | ".join(cells)
+                + " |"
+            )
+    return "\n".join(lines)
 
 
 def bound_table():
@@ -145,7 +190,8 @@ def bound_table():
     return "\n".join(lines)
 
 
-TABLES = {"fidelity": fidelity_table, "fidelity-bound": bound_table}
+TABLES = {"fidelity": fidelity_table, "fidelity-ratios": ratio_table, "fidelity-bound": bound_table}
+VALUES = {"fidelity-within": lambda: "{} of {}".format(misses()[1] - misses()[0], misses()[1])}  # the README's
 
 
 def finished(run):
@@ -211,7 +257,7 @@ def main():
     a, extra = p.parse_known_args()  # the rest: flags for every run (the lesson's: its costs)
     if a.program != "table":
         run_all(a.program, extra, a.out, a.jobs)
-    print(fidelity_table() + "\n\n" + bound_table())
+    print(fidelity_table() + "\n\n" + ratio_table() + "\n\n" + bound_table())
 
 
 if __name__ == "__main__":

@@ -440,7 +440,6 @@ def counts(data=None):
         "etas": str(len(ETAS)),
         "budgets": str(len({x[3] for x in found if x[:2] == found[0][:2]})),
         "same": str(same),  # intervals that hold 0
-        "hold": f"{same} of {len(found)}",
         "up": str(len(side["higher"])),  # favour stale
         "up-list": listed["higher"],
         "down": str(len(side["lower"])),  # favour recompute

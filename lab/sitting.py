@@ -6,7 +6,8 @@ page that this module fills (lab/marked.py), so an edit to the code it lists cha
     .venv/bin/python lab/marked.py --write      # the sitting's counts again, with every other value
 
 What is counted: the sitting's own text; the README up to the section its first step names; the
-course's Concepts, which the README links there; every line (docstrings and comments included:
+course's Concepts, which the README links there; the course's sections the sitting's own text
+links to (Concepts' links lead to later sittings, as the sitting says); every line (docstrings and comments included:
 a reader reads them) of the functions its code steps list; and the docstrings of the functions its
 last step names, met on the way (their bodies are not read). Prose at PROSE_PACE words a minute,
 code at CODE_PACE lines, then the install and the run.
@@ -81,6 +82,23 @@ def prose_words(markdown):
     return sum(1 for w in re.sub(r"\]\([^)]*\)", "]", markdown).split() if re.search(r"\w", w))
 
 
+def slug(heading):
+    """A markdown heading's anchor, as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def linked_sections(text, course):
+    """The course's sections (heading to the next heading) that `text` links to, Concepts apart."""
+    out = []
+    for anchor in dict.fromkeys(re.findall(r"\]\(#([\w-]+)\)", text)):
+        for m in re.finditer(r"^(#+) (.+)$", course, flags=re.M):
+            if slug(m.group(2)) == anchor and anchor != "concepts":
+                rest = course[m.end() :]
+                end = re.search(r"^#{1,%d} " % len(m.group(1)), rest, flags=re.M)
+                out.append(rest[: end.start() if end else len(rest)])
+    return out
+
+
 def counts():
     """{"steps": [(file, names, kind, lines)], "words", "lines", "prose", "code", "total"}: minutes
     rounded up, the total with the install's and the run's."""
@@ -94,6 +112,7 @@ def counts():
     concepts = course[course.index("\n## Concepts\n") :]
     concepts = concepts[: concepts.index("\n## ", 1)]
     words = prose_words(text) + prose_words(read) + (prose_words(concepts) if "docs/course.md#concepts" in read else 0)
+    words += sum(prose_words(section) for section in linked_sections(text, course))  # what its steps send you to
     counted = [(p, names, kind, code_lines(os.path.join(ROOT, p), names, kind)) for p, names, kind in steps(text)]
     lines = sum(c for *_, c in counted)
     prose, code = -(-words // PROSE_PACE), -(-lines // CODE_PACE)

@@ -91,6 +91,7 @@ def test_loss_by_hand(name):
     want_loss, want_grad, want_clipped = BY_HAND[name]
     assert per_token.tolist() == pytest.approx(want_loss, abs=1e-9)
     assert logp.grad.tolist() == pytest.approx(want_grad, abs=1e-9)
+    assert clipped.dtype == torch.bool, f"the mask of the tokens clipped or capped must be bool, got {clipped.dtype}"
     assert clipped.tolist() == want_clipped
 
 

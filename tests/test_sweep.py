@@ -329,7 +329,7 @@ def test_frontier_counts_its_intervals_by_hand():
                 runs[cell_name(block, loss, regime, eta, seed)] = dict(acc={"10.0": acc})
     said = counts(dict(budgets={block: [10.0]}, runs=runs))
     assert said["runs"] == "24" and said["intervals"] == "4" and said["pairs"] == "1" and said["budgets"] == "1", said
-    assert said["same"] == "2" and said["hold"] == "2 of 4" and said["up"] == said["down"] == "1", said
+    assert said["same"] == "2" and said["up"] == said["down"] == "1", said
     assert said["up-list"].startswith("`ppo` at 4x the rate, generation the slower side, eta 1, 10 s: +9.0 ["), said
     assert said["down-list"].startswith("`ppo` at 4x the rate, generation the slower side, eta 2, 10 s: -9.0 [")
     assert said["luck"] == "0", said  # 5% of 4 intervals

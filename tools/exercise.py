@@ -54,7 +54,8 @@ EXERCISES = {
             "return loss_none(cfg, logp, old, mu, adv, answer)",
         ),
         task="token-level truncated importance sampling: w = min(pi/mu, is_cap), detached; per-token loss "
-        "-w A log pi; return it and which tokens the cap bound (pi/mu > is_cap)",
+        "-w A log pi; return it and which tokens the cap bound (pi/mu > is_cap), as a bool tensor (the caller "
+        "combines it with other masks by &)",
         hint="logp is log pi (with a gradient), mu is log mu (from generation); exp of their difference is pi/mu",
         graders=[
             "tests/test_losses.py::test_loss_by_hand[tis]",

@@ -196,6 +196,21 @@ def regime(label):
     return dict(rows_of("regimes"))[label]
 
 
+def cell(name, label, key, scale=100, fmt="{:.0f}%"):
+    """A value: one row's number, the row named by the end of its label."""
+    return lambda: fmt.format(scale * [s for lab, s in rows_of(name) if lab.endswith(label)][0][key])
+
+
+def cells(name, labels, key):
+    """A value: the range of one number over some rows (labels: a tuple of label ends), "lo-hi%"."""
+
+    def build():
+        got = sorted(100 * s[key] for lab, s in rows_of(name) if lab.endswith(labels))
+        return f"{got[0]:.0f}-{got[-1]:.0f}%"
+
+    return build
+
+
 TABLES = {f"course-{name}": functools.partial(table, name) for name in EXPERIMENTS} | {"regimes-short": readme_regimes}
 VALUES = {  # the README's numbers from its regimes table: "Why asynchronous", and the sentence under the table
     "sync-wait": lambda: f"{100 * regime('sync')['waiting']:.0f}%",
@@ -204,6 +219,18 @@ VALUES = {  # the README's numbers from its regimes table: "Why asynchronous", a
     "stale-lag": lambda: f"{regime('stale')['lag']:.2f}",  # and the worked examples' lags
     "drain-lag": lambda: f"{regime('drain')['lag']:.2f}",
     "drain-idle": lambda: f"{100 * regime('drain')['gen_idle']:.0f}%",  # the README's regimes table
+    "sync-idle": lambda: f"{100 * regime('sync')['gen_idle']:.0f}%",
+    "speed-x2-stale": cell("speed", "(x2)", "stale", fmt="{:.1f}%"),  # the course's sentences under its tables
+    "speed-x4-stale": cell("speed", "(x4)", "stale", fmt="{:.1f}%"),
+    "speed-x4-idle": cell("speed", "(x4)", "gen_idle"),
+    "speed-fast-wait": cells("speed", ("(x0.5)", "(x0.25)"), "waiting"),
+    "speed-fast-idle": cells("speed", ("(x0.5)", "(x0.25)"), "gen_idle"),
+    "speed-x05-stale": cell("speed", "(x0.5)", "stale", fmt="{:.1f}%"),
+    "speed-x025-stale": cell("speed", "(x0.25)", "stale", fmt="{:.1f}%"),
+    "speed-x05-span": cell("speed", "(x0.5)", "spanning"),
+    "speed-x025-span": cell("speed", "(x0.25)", "spanning"),
+    "answers-stale": cell("answers", "default preset", "stale", fmt="{:.1f}%"),
+    "lossagg-spread": lambda: "{:.1f}".format(100 * (max(f := [s["final"] for _, s in rows_of("loss_agg")]) - min(f))),
     "discard-thrown": lambda: f"{100 * regime('discard')['discarded']:.0f}%",
     "recompute-again": lambda: f"{100 * regime('recompute')['recomputed']:.0f}%",
     "stale": lambda: f"{100 * regime('stale')['stale']:.0f}%",  # stale's trained tokens that read stale KV
@@ -238,9 +265,10 @@ def main():
         for label, flags in EXPERIMENTS[name][1]:
             wanted.setdefault(first[json.dumps(lesson.parse_config([*flags, "--out", "-"]), sort_keys=True)], flags)
     todo = [(run, flags) for run, flags in wanted.items() if not finished(run)]
+    code = marked.commit()  # once, before the first line is written (a written data file reads as a change)
     if todo and not args.table_only:
         with ThreadPoolExecutor(args.jobs) as pool:
-            list(pool.map(lambda job: run_lesson(*job), todo))
+            list(pool.map(lambda job: run_lesson(*job, code), todo))
     for run, flags in wanted.items():
         if finished(run):
             record(run, flags, rows[run])
@@ -259,8 +287,8 @@ def main():
         print(f"wrote {name} into {page}", file=sys.stderr)
 
 
-def run_lesson(run, flags):
-    """One lesson.py run into `run`, on one thread."""
+def run_lesson(run, flags, code):
+    """One lesson.py run into `run`, on one thread; `code`, the commit that ran it, beside its files."""
     print(f"lesson.py {' '.join(flags)} -> {run}", file=sys.stderr, flush=True)
     subprocess.run(
         [sys.executable, os.path.join(ROOT, "lesson.py"), *flags, "--out", run, "--no-plot"],
@@ -268,6 +296,8 @@ def run_lesson(run, flags):
         stdout=subprocess.DEVNULL,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
+    with open(os.path.join(run, "code.txt"), "w") as f:
+        f.write(code)
 
 
 def record(run, flags, rows):
@@ -278,7 +308,7 @@ def record(run, flags, rows):
         rows=rows,
         flags=list(flags),
         seed=json.load(open(os.path.join(run, "config.json")))["seed"],
-        code=marked.commit(),
+        code=open(stamp).read().strip() if os.path.exists(stamp := os.path.join(run, "code.txt")) else None,
         processor=marked.processor(),
         answers_md5=hashlib.md5(open(os.path.join(run, "answers.jsonl"), "rb").read()).hexdigest(),
     )

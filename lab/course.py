@@ -175,22 +175,6 @@ def table(name):
     return "\n".join(lines)
 
 
-def readme_regimes():
-    """The README's cut of the regimes table: what a first reader compares."""
-    rows = rows_of("regimes")
-    lines = [
-        f"| regime | pass@1 {rows[0][1]['start']:.3f} -> | steps/min | stale tokens | lag "
-        "| generator idle or draining | trainer waiting |",
-        "|---" * 7 + "|",
-    ]
-    for label, s in rows:
-        lines.append(
-            f"| `{label}` | {s['final']:.3f} | {s['steps_per_min']:.1f} | {100 * s['stale']:.0f}% | {s['lag']:.2f} "
-            f"| {100 * s['gen_idle']:.0f}% | {100 * s['waiting']:.0f}% |"
-        )
-    return "\n".join(lines)
-
-
 def regime(label):
     """The last committed line of one row of the regimes table."""
     return dict(rows_of("regimes"))[label]
@@ -211,9 +195,8 @@ def cells(name, labels, key):
     return build
 
 
-TABLES = {f"course-{name}": functools.partial(table, name) for name in EXPERIMENTS} | {"regimes-short": readme_regimes}
-VALUES = {  # the README's numbers from its regimes table: "Why asynchronous", and the sentence under the table
-    "sync-wait": lambda: f"{100 * regime('sync')['waiting']:.0f}%",
+TABLES = {f"course-{name}": functools.partial(table, name) for name in EXPERIMENTS}
+VALUES = {  # the course's numbers from its tables: the worked examples, the sentences under the tables
     "sync-pace": lambda: f"{regime('sync')['steps_per_min']:.1f}",
     "stale-pace": lambda: f"{regime('stale')['steps_per_min']:.1f}",
     "stale-lag": lambda: f"{regime('stale')['lag']:.2f}",  # and the worked examples' lags
@@ -231,10 +214,6 @@ VALUES = {  # the README's numbers from its regimes table: "Why asynchronous", a
     "speed-x025-span": cell("speed", "(x0.25)", "spanning"),
     "answers-stale": cell("answers", "default preset", "stale", fmt="{:.1f}%"),
     "lossagg-spread": lambda: "{:.1f}".format(100 * (max(f := [s["final"] for _, s in rows_of("loss_agg")]) - min(f))),
-    "discard-thrown": lambda: f"{100 * regime('discard')['discarded']:.0f}%",
-    "recompute-again": lambda: f"{100 * regime('recompute')['recomputed']:.0f}%",
-    "stale": lambda: f"{100 * regime('stale')['stale']:.0f}%",  # stale's trained tokens that read stale KV
-    "pace": lambda: f"{regime('stale')['steps_per_min'] / regime('drain')['steps_per_min']:.1f}x",  # stale / drain
 }
 
 

@@ -510,7 +510,7 @@ def block_text(block, loss):
 TABLES = {f"frontier-{b}-{loss}": functools.partial(block_text, b, loss) for b, loss in ORDER} | {
     "frontier-decision": decision,
 }
-COUNTED = "runs intervals pairs etas budgets same hold up up-list down down-list luck".split()  # counts()
+COUNTED = "runs intervals pairs etas budgets same up up-list down down-list luck".split()  # counts()
 VALUES = {name: functools.partial(lambda name: counts()[name], name) for name in COUNTED}  # README's and course's
 
 

@@ -557,15 +557,8 @@ def quoted(i):
     return f"{show_paired((m, lo, hi))}, {verdict(lo, hi)}"
 
 
-def pace():
-    """The long preset's steps per minute, stale over drain (their means over the quoted sweep's seeds)."""
-    runs = recorded(QUOTED[0][0]).values()
-    speed = {x: statistics.mean(r["steps_per_min"] for r in runs if r["regime"] == x) for x in ("stale", "drain")}
-    return f"{speed['stale'] / speed['drain']:.2f}x"
-
-
 TABLES = {"sweep-finals": finals_table}
-VALUES = {"t-level": lambda: quoted(0), "t-pace": pace, "t-cost": lambda: quoted(1)}  # the README's train.py sentence
+VALUES = {"t-level": lambda: quoted(0), "t-cost": lambda: quoted(1)}  # the README's train.py sentence
 
 
 # -----------------------------------------------------------------------------

@@ -310,7 +310,7 @@ def test_record_keeps_each_run_once_and_the_quoted_difference_is_paired(tmp_path
     sweep.record(rows, "t", "default")
     sweep.record(rows, "t", "default")
     lines = [json.loads(x) for x in open(tmp_path / "sweep.jsonl")]
-    assert len(lines) == 5 and written == [["sweep-finals", "t-cost", "t-level", "t-pace"]] * 2
+    assert len(lines) == 5 and written == [["sweep-finals", "t-cost", "t-level"]] * 2
     assert [x["right"] for x in lines] == [12, 8, 4, 8, 8] and {x["sweep"] for x in lines} == {"t"}
     assert sweep.difference("t", "stale", "sync") == [25.0, 0.0]
 

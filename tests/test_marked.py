@@ -120,8 +120,8 @@ def test_a_course_table_is_built_from_one_kind_of_line(tmp_path, monkeypatch):
     mixing the two kinds had no equal time (a ValueError after the runs, issue 69)."""
     import course
 
-    monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
     copied = [json.dumps(s) for s in marked.read("course") if "source" in s]  # the data file before its runs
+    monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
     (tmp_path / "course.jsonl").write_text("\n".join(copied) + "\n")
     before = {name: build() for name, build in course.TABLES.items()}
     ends = {"default preset": 100.0, "--preset long": 85.0}  # simulated seconds, made up

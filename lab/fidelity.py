@@ -103,6 +103,10 @@ def rows(program):
     return out
 
 
+def seeds(n):
+    return f"{n} seed" + "s" * (n != 1)
+
+
 def misses():
     """(lesson numbers outside the rule, lesson numbers compared)."""
     real, sim, out, n = rows("train.py"), rows("lesson.py"), 0, 0
@@ -129,14 +133,14 @@ def fidelity_table():
             for _, key, fmt in COLUMNS:
                 v = [r[key] for r in t]
                 cells.append(f"{fmt.format(sum(v) / len(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
-            lines.append(f"| {preset} | `{regime}` | train.py, {len(t)} seeds | " + " | ".join(cells) + " |")
+            lines.append(f"| {preset} | `{regime}` | train.py, {seeds(len(t))} | " + " | ".join(cells) + " |")
             if l:
                 cells = []
                 for _, key, fmt in COLUMNS:
                     mean = sum(r[key] for r in l) / len(l)
                     ok = within(mean, [r[key] for r in t])
                     cells.append(fmt.format(mean) + ("" if ok else " **x**"))
-                lines.append(f"| | | lesson.py, {len(l)} seeds | " + " | ".join(cells) + " |")
+                lines.append(f"| | | lesson.py, {seeds(len(l))} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n{} of {} lesson numbers outside the rule (**x**).".format(*misses())
 
 
@@ -169,7 +173,7 @@ def ratio_table():
                 spread = f" ({fmt.format(min(v))}-{fmt.format(max(v))})" if len(v) > 1 else ""
                 cells.append(fmt.format(sum(v) / len(v)) + spread if v else "-")
             lines.append(
-                f"| {preset} | {program}, {len(ratio(program, preset, 'sync', None, 'seed'))} seeds | "
+                f"| {preset} | {program}, {seeds(len(ratio(program, preset, 'sync', None, 'seed')))} | "
                 + " | ".join(cells)
                 + " |"
             )

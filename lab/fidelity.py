@@ -235,6 +235,7 @@ VALUES = {  # the README's: its numbers are train.py's (the lesson's are the cou
     "t-stale-pace": lambda: f"{real('stale', 'steps_per_min'):.1f}",
     "t-stale-sync": lambda: mean_ratio("stale", "sync"),
     "t-stale-drain": lambda: mean_ratio("stale", "drain"),
+    "t-sync-bound": lambda: f"{real('sync', 'steps_per_min') / real('sync', 'bound_steps_per_min'):.0%}",
     "t-drain-idle": lambda: f"{100 * real('drain', 'gen_idle'):.0f}%",
     "t-discard-thrown": lambda: f"{100 * real('discard', 'discarded'):.0f}%",
     "t-stale": lambda: f"{100 * real('stale', 'stale'):.0f}%",

@@ -167,7 +167,8 @@ def test_record_appends_what_the_run_printed_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(marked, "data_path", lambda tool: str(tmp_path / f"{tool}.jsonl"))
     written = []
-    monkeypatch.setattr(marked, "write", lambda tables, **kw: written.append(sorted(tables)) or [])
+    write = lambda tables, values=(), **kw: written.append([*sorted(tables), *sorted(values)]) or []  # noqa: E731
+    monkeypatch.setattr(marked, "write", write)
     flags = ["--prompts", "2", "--group-size", "4", "--max-new-tokens", "48", "--seed", "3"]
     res = study.main([*flags, "--out", str(tmp_path / "study.json"), "--record"])
     (line,) = map(json.loads, open(tmp_path / "study.jsonl"))
@@ -175,7 +176,7 @@ def test_record_appends_what_the_run_printed_once(tmp_path, monkeypatch):
     assert line["undone_first8"] == res["bins"][0]["share_undone"] is not None
     assert line["undone_after32"] == res["bins"][-1]["share_undone"]
     assert line["removed"] == {str(p["k"]): p["share_removed"] for p in res["partial"]}
-    assert written == [["study-readme", "study-tiny"]]
+    assert written == [["study-tiny", *sorted(study.VALUES)]]  # its table, and the README's values
     study.record(res)
     assert len(open(tmp_path / "study.jsonl").readlines()) == 1
     assert study.tiny_runs() == []

@@ -277,12 +277,7 @@ def run(main, program, *fatal):
         print(f"{program}: {e}", file=sys.stderr)
         sys.exit(2)
     except fatal as e:
-        print(f"{program}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # not sys.exit: a weight group's thread may still be inside a collective that will never
-        # return (an engine that never joined), and tearing the interpreter down around its C++
-        # thread aborts the process (SIGABRT, exit -6) instead of exiting 1 with this report
-        os._exit(1)
+        sys.exit(f"{program}: {e}")
 
 
 # -----------------------------------------------------------------------------

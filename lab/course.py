@@ -180,9 +180,9 @@ def regime(label):
     return dict(rows_of("regimes"))[label]
 
 
-def cell(name, label, key, scale=100, fmt="{:.0f}%"):
-    """A value: one row's number, the row named by the end of its label."""
-    return lambda: fmt.format(scale * [s for lab, s in rows_of(name) if lab.endswith(label)][0][key])
+def cell(name, label, key, fmt="{:.0f}%"):
+    """A value: one row's share, in percent, the row named by the end of its label."""
+    return lambda: fmt.format(100 * [s for lab, s in rows_of(name) if lab.endswith(label)][0][key])
 
 
 def cells(name, labels, key):

@@ -10,6 +10,7 @@ runs on); lesson.py those of its simulated clock.
 import argparse
 import os
 import sys
+import threading
 import time
 
 from data import DATASETS, UsageError, hub_id_shaped, steps_range
@@ -277,7 +278,13 @@ def run(main, program, *fatal):
         print(f"{program}: {e}", file=sys.stderr)
         sys.exit(2)
     except fatal as e:
-        sys.exit(f"{program}: {e}")
+        print(f"{program}: {e}", file=sys.stderr, flush=True)
+        if any(t.name.startswith("weight-group") for t in threading.enumerate()):  # system/push.py's
+            # thread is inside a collective that never returns (an engine that never joined): the
+            # interpreter's teardown around it aborts the process (SIGABRT) instead of exiting 1
+            sys.stdout.flush()
+            os._exit(1)
+        sys.exit(1)
 
 
 # -----------------------------------------------------------------------------

@@ -340,7 +340,7 @@ def test_every_copy_runs_its_exercise_md_and_every_regime(tmp_path):
     silent_stale's stale share is lower (under the default regime, recompute, both would be
     0) and silent_behaviour's behaviour_gap is 0. Each EXERCISE.md's check command names its
     exercise and its copy, and the pace copy's, run from the project as given, passes every
-    grader. The runs in one process, one engine (RUNS)."""
+    grader. The runs in a process a core, one engine each (RUNS)."""
     from tools.exercise import restore
 
     jobs, labels = [], []
@@ -362,12 +362,25 @@ def test_every_copy_runs_its_exercise_md_and_every_regime(tmp_path):
         if silent:  # the same run of the project's code
             jobs.append((ROOT, [*runs[0], *SYMPTOM, "--out", str(tmp_path / "runs" / str(len(jobs)))]))
             labels.append((name, "the project"))
-    report = tmp_path / "runs.json"
-    r = subprocess.run(
-        [sys.executable, "-c", RUNS, json.dumps(jobs), str(report)], capture_output=True, text=True, cwd=tmp_path
-    )
-    assert r.returncode == 0 and report.exists(), r.stdout[-2000:] + r.stderr[-3000:]
-    failed = {labels[i]: why for i, why in enumerate(json.loads(report.read_text())) if why}
+    # as many processes as cores, each one thread, one engine, every n-th run
+    n, results = len(os.sched_getaffinity(0)), [None] * len(jobs)
+    reports = [tmp_path / f"runs{k}.json" for k in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RUNS, json.dumps(jobs[k::n]), str(reports[k])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        for k in range(n)
+    ]
+    for k, proc in enumerate(procs):
+        out, err = proc.communicate()
+        assert proc.returncode == 0 and reports[k].exists(), out[-2000:] + err[-3000:]
+        results[k::n] = json.loads(reports[k].read_text())
+    failed = {labels[i]: why for i, why in enumerate(results) if why}
     assert not failed, "\n".join(f"{name}, {label}:\n{why}" for (name, label), why in failed.items())
 
     def metrics(name, label):

@@ -447,8 +447,9 @@ def restore(dest, name):
 
 PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-c", os.devnull]
 # Run each (tree, report, graders) of argv[1] in a child forked from one Python that has
-# imported the libraries once (seconds each on 2 busy cores); the project's modules, the
-# code under test, each child imports from its own tree.
+# imported the libraries once (seconds each on 2 busy cores), as many children at a time as
+# there are cores, each on one thread; the project's modules, the code under test, each child
+# imports from its own tree.
 MANY = """
 import json, os, sys
 import numpy, torch, pytest, hypothesis
@@ -456,16 +457,23 @@ try:
     import transformers
 except ImportError:
     pass
+running, at_once = 0, len(os.sched_getaffinity(0))
 for tree, report, graders in json.loads(sys.argv[1]):
-    pid = os.fork()
-    if pid == 0:
+    if running == at_once:
+        os.wait()
+        running -= 1
+    if os.fork() == 0:
+        torch.set_num_threads(1)  # a core a child: more threads than cores crawl
         os.chdir(tree)
         sys.path.insert(0, tree)
         try:
             pytest.main(sys.argv[2:] + ["--rootdir", tree, "--confcutdir", tree, "--junitxml=" + report, *graders])
         finally:
             os._exit(0)
-    os.waitpid(pid, 0)
+    running += 1
+while running:
+    os.wait()
+    running -= 1
 """
 
 

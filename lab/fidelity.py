@@ -8,15 +8,18 @@ runs (tools/clock_costs.py), side by side.
     .venv/bin/python tools/clock_costs.py out/fidelity/train/*     # the costs those runs took
     .venv/bin/python lab/fidelity.py lesson --jobs 2 COSTS...      # lesson.py's runs at those costs
     .venv/bin/python lab/fidelity.py table                         # the tables, from lab/data/fidelity.jsonl
+    .venv/bin/python lab/fidelity.py causes out/fidelity/*/*-s?    # what two misses turn on, from the runs' files
 
 Each run's summary goes onto lab/data/fidelity.jsonl (its commit, processor, load average at its
 start and end); a finished run is not run again.
 """
 
 import argparse
+import bisect
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -25,9 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import marked  # noqa: E402
-from system.runlog import per_token, read_jsonl  # noqa: E402
+from system.runlog import activity_spans, per_token, read_jsonl  # noqa: E402
 
 PRESETS = {"default": (), "long": ("--preset", "long")}
 REGIMES = ("sync", "drain", "discard", "stale", "recompute")
@@ -236,11 +240,116 @@ def mean_ratio(a, b):
     return f"{sum(v) / len(v):.2f}x"
 
 
+CAUSED = [("default", "drain"), ("default", "stale"), ("long", "drain"), ("long", "stale"), ("long", "recompute")]
+
+
+def causes(run):
+    """What two misses turn on, from a run's files (RESULTS, What the tables say), keyed to its row
+    of lab/data/fidelity.jsonl by its answers' md5: the trainer's waits during which no answer
+    finished (the batch was done: what is left is taking the answers off the generator's queue), their
+    share of the run and median; each answer's time from its first token to its last (median, upper
+    quartile); the share of answers still being written at the next load (the spanning share); the
+    generator's idle time by what it did before."""
+    md5 = hashlib.md5(open(os.path.join(run, "answers.jsonl"), "rb").read()).hexdigest()
+    row = next((r for r in marked.read("fidelity") if r["answers_md5"] == md5), None)
+    if row is None:
+        raise SystemExit(f"fidelity.py: {run} is not a run of lab/data/fidelity.jsonl (its answers differ)")
+    events, answers = read_jsonl(os.path.join(run, "events.jsonl")), read_jsonl(os.path.join(run, "answers.jsonl"))
+    total = json.load(open(os.path.join(run, "ledger.json")))["total_s"]
+    gen = [s for s in activity_spans(events) if s[0] == "generator"]
+    idle = {}  # what the generator did before it idled -> [seconds idle]
+    for (_, before, _, _), (_, what, t0, t1) in zip(gen, gen[1:]):
+        if what == "idle":
+            idle.setdefault(before, []).append(t1 - t0)
+    done = sorted(a["finished"] for a in answers if a.get("finished"))
+    waits = [  # no answer finished during the wait: the batch was done, what is left is taking it off the queue
+        t1 - t0
+        for p, what, t0, t1 in activity_spans(events)
+        if p == "trainer" and what == "waiting" and bisect.bisect_right(done, t1) == bisect.bisect_right(done, t0)
+    ]
+    loads = sorted(e["t0"] for e in events if e.get("mark") == "load")
+    times, written = [], 0
+    for a in answers:
+        first = a["segments"][0][0]
+        i = bisect.bisect_right(loads, first)
+        if a.get("finished") and i < len(loads):  # a load came after its first token
+            times.append(a["finished"] - first)
+            written += a["finished"] > loads[i]
+    q1, median, q3 = statistics.quantiles(times, n=4)
+    intervals = [b - a for a, b in zip(loads, loads[1:])]
+    return dict(
+        {k: row[k] for k in ("program", "preset", "regime", "seed", "commit", "processor", "answers_md5")},
+        analysed=marked.commit(),
+        waits_done=len(waits),
+        waits_done_share=sum(waits) / total,
+        waits_done_ms=1000 * statistics.median(waits) if waits else 0.0,
+        answer_s=median,
+        answer_s_q3=q3,
+        answer_tokens=statistics.mean(a["tokens"] for a in answers if a.get("finished")),
+        load_interval_s=statistics.median(intervals),
+        answer_in_intervals=median / statistics.median(intervals),
+        small_steps_over_clock=small_steps_over_clock(run),
+        idle_after_generating=sum(idle.get("generating", [])) / total,  # it made all it may (--max-lag)
+        idle_after_generating_ms=1000 * statistics.median(idle.get("generating", [0.0])),
+        idle_after_evaluating=sum(idle.get("evaluating", [])) / total,
+        written_at_load=written / len(times),
+    )
+
+
+def small_steps_over_clock(run):
+    """The run's engine steps of under 96 answers while its trainer was not training (where long
+    answers end), past the warm-up: their time over what the lesson's clock (its default costs)
+    charges them."""
+    import lesson
+    from clock_costs import engine_steps
+
+    c = lesson.parse_config([])
+    steps = [(s, a, kv, p) for s, a, kv, p, busy in engine_steps(run) if a < 96 and not busy]
+    charged = sum(c["step_s"] + c["answer_s"] * a + c["kv_s"] * kv + c["prefill_s"] * p for _, a, kv, p in steps)
+    return sum(s for s, *_ in steps) / charged
+
+
+def causes_table():
+    """The numbers behind two misses (causes), each cell its seeds' mean (and min-max)."""
+    got = {}
+    for r in marked.read("fidelity-causes"):
+        got.setdefault((r["preset"], r["regime"], r["program"]), {})[r["seed"]] = r
+    lines = [
+        "| preset | regime | | trainer waits while no answer finished: share of the run (median) "
+        "| an answer's first to last token: median (upper quartile) | tokens an answer | between two loads "
+        "| the median answer in load intervals | answers still being written at the next load "
+        "| steps of < 96 answers, trainer not training: time / clock "
+        "| generator idle after generating: share (median) | ... after evaluating |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(rs, k, fmt):  # the seeds' mean (min-max)
+        v = [r[k] for r in rs]
+        return fmt.format(sum(v) / len(v)) + (f" ({fmt.format(min(v))}-{fmt.format(max(v))})" if len(v) > 1 else "")
+
+    for preset, regime in CAUSED:
+        for program in ("train.py", "lesson.py"):
+            rs = list(got.get((preset, regime, program), {}).values())
+            if rs:
+                lines.append(
+                    f"| {preset} | `{regime}` | {program}, {seeds(len(rs))} | {f(rs, 'waits_done_share', '{:.1%}')} "
+                    f"({f(rs, 'waits_done_ms', '{:.0f}')} ms) | {f(rs, 'answer_s', '{:.2f}')} s "
+                    f"({f(rs, 'answer_s_q3', '{:.2f}')}) | {f(rs, 'answer_tokens', '{:.1f}')} "
+                    f"| {f(rs, 'load_interval_s', '{:.2f}')} s | {f(rs, 'answer_in_intervals', '{:.2f}')} "
+                    f"| {f(rs, 'written_at_load', '{:.0%}')} "
+                    f"| {f(rs, 'small_steps_over_clock', '{:.2f}')} "
+                    f"| {f(rs, 'idle_after_generating', '{:.1%}')} ({f(rs, 'idle_after_generating_ms', '{:.0f}')} ms) "
+                    f"| {f(rs, 'idle_after_evaluating', '{:.1%}')} |"
+                )
+    return "\n".join(lines)
+
+
 TABLES = {
     "fidelity": fidelity_table,
     "fidelity-ratios": ratio_table,
     "fidelity-bound": bound_table,
     "regimes-real": readme_table,
+    "fidelity-causes": causes_table,
 }
 VALUES = {  # the README's: its numbers are train.py's (the lesson's are the course's, beside their check)
     "fidelity-within": within_count,
@@ -314,10 +423,16 @@ def run_all(program, extra, out, jobs=1):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("program", choices=["train", "lesson", "table"])
+    p.add_argument("program", choices=["train", "lesson", "table", "causes"])
     p.add_argument("--out", default=os.path.join(ROOT, "out", "fidelity"))
     p.add_argument("--jobs", type=int, default=1, help="lesson.py runs at a time (train.py's run alone)")
     a, extra = p.parse_known_args()  # the rest: flags for every run (the lesson's: its costs)
+    if a.program == "causes":  # the rest: run directories
+        for run in extra:
+            if os.path.isdir(run) and ((row := causes(run))["preset"], row["regime"]) in CAUSED:
+                marked.record("fidelity-causes", row, ("program", "preset", "regime", "seed"))
+        print(causes_table())
+        return
     if a.program != "table":
         run_all(a.program, extra, a.out, a.jobs)
     print(fidelity_table() + "\n\n" + ratio_table() + "\n\n" + bound_table())

@@ -240,7 +240,7 @@ def mean_ratio(a, b):
     return f"{sum(v) / len(v):.2f}x"
 
 
-CAUSED = [("default", "drain"), ("default", "stale"), ("long", "drain"), ("long", "stale"), ("long", "recompute")]
+CAUSED = [("default", "drain"), ("default", "stale"), ("long", "drain"), ("long", "stale")]
 
 
 def causes(run):
@@ -315,17 +315,17 @@ def causes_table():
     for r in marked.read("fidelity-causes"):
         got.setdefault((r["preset"], r["regime"], r["program"]), {})[r["seed"]] = r
     lines = [
-        "| preset | regime | | trainer waits while no answer finished: share of the run (median) "
-        "| an answer's first to last token: median (upper quartile) | tokens an answer | between two loads "
-        "| the median answer in load intervals | answers still being written at the next load "
-        "| steps of < 96 answers, trainer not training: time / clock "
-        "| generator idle after generating: share (median) | ... after evaluating |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| preset | regime | | trainer waiting, no answer finishing (median) | an answer, first token to last: median "
+        "(slowest quarter from) | the median answer in load intervals | still being written at the next load "
+        "| steps < 96 answers, trainer not training: time / clock | generator idle after generating (median) "
+        "| ... after evaluating |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def f(rs, k, fmt):  # the seeds' mean (min-max)
+    def f(rs, k, fmt):  # the seeds' mean (min-max, where they differ)
         v = [r[k] for r in rs]
-        return fmt.format(sum(v) / len(v)) + (f" ({fmt.format(min(v))}-{fmt.format(max(v))})" if len(v) > 1 else "")
+        lo, hi = fmt.format(min(v)), fmt.format(max(v))
+        return fmt.format(sum(v) / len(v)) + (f" ({lo}-{hi})" if lo != hi else "")
 
     for preset, regime in CAUSED:
         for program in ("train.py", "lesson.py"):
@@ -334,10 +334,8 @@ def causes_table():
                 lines.append(
                     f"| {preset} | `{regime}` | {program}, {seeds(len(rs))} | {f(rs, 'waits_done_share', '{:.1%}')} "
                     f"({f(rs, 'waits_done_ms', '{:.0f}')} ms) | {f(rs, 'answer_s', '{:.2f}')} s "
-                    f"({f(rs, 'answer_s_q3', '{:.2f}')}) | {f(rs, 'answer_tokens', '{:.1f}')} "
-                    f"| {f(rs, 'load_interval_s', '{:.2f}')} s | {f(rs, 'answer_in_intervals', '{:.2f}')} "
-                    f"| {f(rs, 'written_at_load', '{:.0%}')} "
-                    f"| {f(rs, 'small_steps_over_clock', '{:.2f}')} "
+                    f"({f(rs, 'answer_s_q3', '{:.2f}')}) | {f(rs, 'answer_in_intervals', '{:.2f}')} "
+                    f"| {f(rs, 'written_at_load', '{:.0%}')} | {f(rs, 'small_steps_over_clock', '{:.2f}')} "
                     f"| {f(rs, 'idle_after_generating', '{:.1%}')} ({f(rs, 'idle_after_generating_ms', '{:.0f}')} ms) "
                     f"| {f(rs, 'idle_after_evaluating', '{:.1%}')} |"
                 )

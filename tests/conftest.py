@@ -32,3 +32,18 @@ def at_the_root():
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(ROOT)
         yield
+
+
+@pytest.fixture(autouse=True)
+def cores_restored():
+    """The cores this process may run on, and torch's thread count, as they were before the test:
+    devices.prepare pins the trainer to its half of the cores (one core of two), and a test that
+    calls it would leave every later test, and every process they start, on that one core."""
+    cores = os.sched_getaffinity(0)
+    threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+    yield
+    if os.sched_getaffinity(0) != cores:
+        os.sched_setaffinity(0, cores)
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)  # a no-op (with vLLM's warning) once an engine is in this process

@@ -362,23 +362,25 @@ def test_every_copy_runs_its_exercise_md_and_every_regime(tmp_path):
         if silent:  # the same run of the project's code
             jobs.append((ROOT, [*runs[0], *SYMPTOM, "--out", str(tmp_path / "runs" / str(len(jobs)))]))
             labels.append((name, "the project"))
-    # as many processes as cores, each one thread, one engine, every n-th run
+    # as many processes as cores, each one thread, one engine, every n-th run (output to a file:
+    # a full pipe would stall one while the test waits on the other)
     n, results = len(os.sched_getaffinity(0)), [None] * len(jobs)
-    reports = [tmp_path / f"runs{k}.json" for k in range(n)]
+    reports, logs = [tmp_path / f"runs{k}.json" for k in range(n)], [tmp_path / f"runs{k}.log" for k in range(n)]
+    outs = [open(log, "w") for log in logs]
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RUNS, json.dumps(jobs[k::n]), str(reports[k])],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            stdout=outs[k],
+            stderr=subprocess.STDOUT,
             cwd=tmp_path,
             env=dict(os.environ, OMP_NUM_THREADS="1"),
         )
         for k in range(n)
     ]
     for k, proc in enumerate(procs):
-        out, err = proc.communicate()
-        assert proc.returncode == 0 and reports[k].exists(), out[-2000:] + err[-3000:]
+        proc.wait()
+        outs[k].close()
+        assert proc.returncode == 0 and reports[k].exists(), logs[k].read_text()[-5000:]
         results[k::n] = json.loads(reports[k].read_text())
     failed = {labels[i]: why for i, why in enumerate(results) if why}
     assert not failed, "\n".join(f"{name}, {label}:\n{why}" for (name, label), why in failed.items())

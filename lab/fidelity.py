@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import marked  # noqa: E402
 from system.runlog import activity_spans, per_token, read_jsonl  # noqa: E402
@@ -256,7 +255,8 @@ def causes(run):
         raise SystemExit(f"fidelity.py: {run} is not a run of lab/data/fidelity.jsonl (its answers differ)")
     events, answers = read_jsonl(os.path.join(run, "events.jsonl")), read_jsonl(os.path.join(run, "answers.jsonl"))
     total = json.load(open(os.path.join(run, "ledger.json")))["total_s"]
-    gen = [s for s in activity_spans(events) if s[0] == "generator"]
+    spans = activity_spans(events)
+    gen = [s for s in spans if s[0] == "generator"]
     idle = {}  # what the generator did before it idled -> [seconds idle]
     for (_, before, _, _), (_, what, t0, t1) in zip(gen, gen[1:]):
         if what == "idle":
@@ -264,7 +264,7 @@ def causes(run):
     done = sorted(a["finished"] for a in answers if a.get("finished"))
     waits = [  # no answer finished during the wait: the batch was done, what is left is taking it off the queue
         t1 - t0
-        for p, what, t0, t1 in activity_spans(events)
+        for p, what, t0, t1 in spans
         if p == "trainer" and what == "waiting" and bisect.bisect_right(done, t1) == bisect.bisect_right(done, t0)
     ]
     loads = sorted(e["t0"] for e in events if e.get("mark") == "load")
@@ -300,12 +300,16 @@ def small_steps_over_clock(run):
     """The run's engine steps of under 96 answers while its trainer was not training (where long
     answers end), past the warm-up: their time over what the lesson's clock (its default costs)
     charges them."""
-    import lesson
-    from clock_costs import engine_steps
+    import types
 
-    c = lesson.parse_config([])
+    import lesson
+    from tools.clock_costs import engine_steps
+
+    clock = lesson.SimClock(lesson.parse_config([]), types.SimpleNamespace(write=lambda *step: None))
     steps = [(s, a, kv, p) for s, a, kv, p, busy in engine_steps(run) if a < 96 and not busy]
-    charged = sum(c["step_s"] + c["answer_s"] * a + c["kv_s"] * kv + c["prefill_s"] * p for _, a, kv, p in steps)
+    for _, a, kv, p in steps:  # charged as the lesson charges them, the trainer not training (no --busy-s)
+        clock.spend("step", 0.0, a, kv, p)
+    charged = clock.now()
     return sum(s for s, *_ in steps) / charged
 
 

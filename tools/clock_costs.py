@@ -52,15 +52,18 @@ def engine_steps(run, warmup=WARMUP):
 
 
 def least_squares(rows):
-    """The coefficients c of seconds = c . (1, answers, kv, prefilled, busy), least squares; a term
-    the runs never vary (busy in a sync run: the trainer never trains while the engine steps) gets 0."""
+    """The coefficients c of seconds = c . (1, answers, kv, prefilled, busy), least squares with no
+    term below 0 (a cost; one run's jitter can fit a small term negative, which the lesson refuses);
+    a term the runs never vary (busy in a sync run: the trainer never trains meanwhile) gets 0."""
     import numpy as np
+    from scipy.optimize import nnls
 
     a = np.array(rows, dtype=float)
     x = np.c_[np.ones(len(a)), a[:, 1:]]
     used = [0] + [j for j in range(1, x.shape[1]) if x[:, j].any()]
+    scale = np.abs(x[:, used]).max(axis=0)  # columns of one size, for the solver
     c = np.zeros(x.shape[1])
-    c[used] = np.linalg.lstsq(x[:, used], a[:, 0], rcond=None)[0]
+    c[used] = nnls(x[:, used] / scale, a[:, 0], maxiter=100 * len(used))[0] / scale
     return c.tolist()
 
 

@@ -83,28 +83,9 @@ def test_lesson_is_short_and_imports_no_process_machinery():
 def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
     """Two runs, the same metrics.jsonl, answers.jsonl and events.jsonl; and what the regime
     promises, read back from them: who wrote each token's KV, what was discarded or rebuilt,
-    lag. For stale the second run is `python lesson.py` in a process of its own, with Python's
-    hash seed fixed where this process's is random: nothing depends on the hash seed, the
-    process, thread timing or the machine's load. Both at this process's torch thread count
-    (OMP_NUM_THREADS): the trainer's sums run in another order with another count (RESULTS.md,
-    the lesson's clock), and this process's count is what earlier tests left (vLLM's CPU
-    worker makes torch.set_num_threads a no-op once an engine exists)."""
-    a = run(regime, tmp_path / "a")
-    if regime == "stale":
-        b = str(tmp_path / "b")
-        threads = str(torch.get_num_threads())
-        subprocess.run(
-            [sys.executable, "lesson.py", "--regime", regime, *ARGS, "--out", b],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS=threads),
-            check=True,
-        )
-    else:
-        b = run(regime, tmp_path / "b")
-    for name in ("metrics.jsonl", "answers.jsonl", "events.jsonl"):
-        assert read(a, name) == read(b, name), f"{name} differs between two runs of {regime}"
+    lag. (In a process of its own: the next test.)"""
+    a, b = run(regime, tmp_path / "a"), run(regime, tmp_path / "b")
+    same_files(a, b, regime)
     metrics, answers = read(a, "metrics.jsonl"), read(a, "answers.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 7)) and len(answers) == 6 * 16
     cfg = json.load(open(os.path.join(a, "config.json")))
@@ -144,6 +125,31 @@ def test_a_run_is_a_pure_function_of_its_flags(regime, tmp_path):
             for p in x["prefills"]
             if p[4] == "recompute"
         )
+
+
+def same_files(a, b, regime):
+    for name in ("metrics.jsonl", "answers.jsonl", "events.jsonl"):
+        assert read(a, name) == read(b, name), f"{name} differs between two runs of {regime}"
+
+
+def test_a_run_in_a_process_of_its_own_gives_the_same_files(tmp_path):
+    """`python lesson.py` in a process of its own, with Python's hash seed fixed where this
+    process's is random, gives this process's files: nothing depends on the hash seed, the
+    process, thread timing or the machine's load. Both at this process's torch thread count
+    (OMP_NUM_THREADS): the trainer's sums run in another order with another count (RESULTS.md,
+    the lesson's clock), and this process's count is what earlier tests left (vLLM's CPU
+    worker makes torch.set_num_threads a no-op once an engine exists). Not in the fast tier:
+    a process of its own starts its own engine (~15 s)."""
+    a, b = run("stale", tmp_path / "a"), str(tmp_path / "b")
+    subprocess.run(
+        [sys.executable, "lesson.py", "--regime", "stale", *ARGS, "--out", b],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS=str(torch.get_num_threads())),
+        check=True,
+    )
+    same_files(a, b, "stale")
 
 
 @pytest.mark.fast

@@ -249,6 +249,20 @@ def test_weights_load_when_the_clock_says(regime, tmp_path):
     assert fitted == pytest.approx(COSTS, rel=1e-2)
 
 
+@pytest.mark.fast
+def test_the_fit_charges_no_cost_below_zero():
+    """Steps that ran faster while the trainer trained (one run's jitter can look so) fit the
+    busy term at 0, not below, which the lesson would refuse; the others stay costs."""
+    from tools.clock_costs import least_squares
+
+    true = (3e-3, 7e-5, 3e-7, 2.5e-5, -5e-4)  # step, answer, kv, prefilled, busy
+    rows = [(0, a, kv * a, p, b) for a in (2, 30, 128) for kv in (10, 60) for p in (0, 50) for b in (0, 1)]
+    rows = [(sum(c * x for c, x in zip(true, (1, *row[1:]))), *row[1:]) for row in rows]
+    fitted = least_squares(rows)
+    assert fitted[4] == 0 and all(c >= 0 for c in fitted)
+    assert fitted[1:4] == pytest.approx(true[1:4], rel=1e-6)  # busy is half of every other mix: apart
+
+
 @pytest.mark.prose
 def test_the_first_sitting_is_what_the_loop_calls(tmp_path):
     """docs/course.md's first sitting against what lesson.py's loop runs, watched with

@@ -245,9 +245,9 @@ def readme_table():
     return "\n".join(lines)
 
 
-def within_count():
+def within_count(costs=None):
     """The README's count: lesson numbers within the rule, of those compared."""
-    out, n = misses()
+    out, n = misses(costs)
     return f"{n - out} of {n}"
 
 
@@ -372,6 +372,7 @@ TABLES = {
 }
 VALUES = {  # the README's: its numbers are train.py's (the lesson's are the course's, beside their check)
     "fidelity-within": within_count,
+    "fidelity-own-within": lambda: within_count("own"),
     "t-sync-wait": lambda: f"{100 * real('sync', 'trainer_waiting'):.0f}%",
     "t-sync-pace": lambda: f"{real('sync', 'steps_per_min'):.1f}",
     "t-stale-pace": lambda: f"{real('stale', 'steps_per_min'):.1f}",

@@ -145,7 +145,7 @@ def fidelity_table():
                 v = [r[key] for r in t]
                 cells.append(f"{fmt.format(sum(v) / len(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
             lines.append(f"| {preset} | `{regime}` | train.py, {seeds(len(t))} | " + " | ".join(cells) + " |")
-            for name, l in (("", l), (", each at its run's own costs", own.get((preset, regime)))):
+            for name, l in (("", l), (", own costs", own.get((preset, regime)))):
                 if l:
                     cells = []
                     for _, key, fmt in COLUMNS:
@@ -190,7 +190,7 @@ def ratio_table():
         for program, costs, name in (
             ("train.py", None, ""),
             ("lesson.py", None, ""),
-            ("lesson.py", "own", ", each at its run's own costs"),
+            ("lesson.py", "own", ", own costs"),
         ):
             if not ratio(program, preset, "sync", None, "seed", costs):
                 continue

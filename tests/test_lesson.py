@@ -161,7 +161,6 @@ def test_max_lag_bounds_the_lag(max_lag, tmp_path):
     assert max(m["lag_max"] for m in metrics) == max_lag
 
 
-@pytest.mark.fast
 def test_pace_keeps_rejecting_in_the_lesson(tmp_path):
     """--pool pace with a trainer slow enough that the generator runs to its bound: a rejected
     group leaves its place to a new one (each push tells the generator how many, as train.py's
@@ -191,7 +190,6 @@ def test_ppo_clip_binds_with_several_steps_per_batch(tmp_path):
         assert 0 < m["ess"] <= 1 and m["kl"] >= 0 and {"ess_stale", "kl_lag2", "clipped_frac_fresh"} <= set(m)
 
 
-@pytest.mark.fast
 def test_eval_at_scores_the_weights_held_then_and_costs_the_run_nothing(tmp_path):
     """--eval-at t1,t2: pass@1 of the weights the generator held at simulated second t (the last
     version loaded at or before t), evaluated after the run: the run's steps up to t2 are the

@@ -97,7 +97,7 @@ def within(lesson, real):
 
 def rows(program, costs=None):
     """{(preset, regime): [rows of its seeds]} of one program, the last line of each run; the
-    lesson's at the pooled costs, or with costs="own" at each seed's own train.py run's (own)."""
+    lesson's at the pooled costs, or with costs="own" at its own train.py run's (own_costs)."""
     last = {}
     for r in marked.read("fidelity"):
         if r["program"] == program and r.get("costs") == costs:

@@ -192,7 +192,8 @@ def ratio_table():
             ("lesson.py", None, ""),
             ("lesson.py", "own", ", own costs"),
         ):
-            if not ratio(program, preset, "sync", None, "seed", costs):
+            n = len(ratio(program, preset, "sync", None, "seed", costs))
+            if not n:
                 continue
             cells = []
             for _, a, b, key in RATIOS:
@@ -200,11 +201,7 @@ def ratio_table():
                 fmt = "{:.0%}" if b is None else "{:.2f}x"
                 spread = f" ({fmt.format(min(v))}-{fmt.format(max(v))})" if len(v) > 1 else ""
                 cells.append(fmt.format(sum(v) / len(v)) + spread if v else "-")
-            lines.append(
-                f"| {preset} | {program}, {seeds(len(ratio(program, preset, 'sync', None, 'seed', costs)))}{name} | "
-                + " | ".join(cells)
-                + " |"
-            )
+            lines.append(f"| {preset} | {program}, {seeds(n)}{name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -406,6 +403,8 @@ def run_one(program, preset, regime, seed, extra, out, stamp):
     run = os.path.join(out, program, f"{preset}-{regime}-s{seed}")
     if finished(run):
         return
+    if program == "own":  # fitted here, for the runs still to make: a finished one needs no train.py run
+        extra = own_costs(out, preset, regime, seed) + extra
     args = [*PRESETS[preset], "--regime", regime, "--seed", str(seed), "--out", run, "--no-plot", *extra]
     script, env, nice = "train.py", None, []
     if program in ("lesson", "own"):
@@ -454,9 +453,8 @@ def run_all(program, extra, out, jobs=1):
     cells = [(p, r, s) for s in SEEDS for p in PRESETS for r in REGIMES]
     if program == "train":
         jobs = 1  # alone on the machine: two at once would time each other
-    costs = {c: own_costs(out, *c) + extra if program == "own" else extra for c in cells}
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(lambda c: run_one(program, *c, costs[c], out, stamp), cells))
+        list(pool.map(lambda c: run_one(program, *c, extra, out, stamp), cells))
 
 
 def main():

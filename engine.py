@@ -152,49 +152,26 @@ KV_CACHE_GIB = 1  # vLLM's KV cache on CPU: plenty for the tiny models, and leav
 
 
 def vllm_env(on_cpu=True):
-    """The environment every vLLM engine of this project starts with, set before vLLM is
-    imported: lesson.py and eval.py put it in their own environment, devices.resolve_devices
-    in each generator process's. The engine core in the engine's own process (make_engine:
-    one step() is one forward pass); vLLM's V1 model runner, the CPU's, on every platform
-    (make_engine); vLLM quiet (it logs every weight load); on CPU, a KV
-    cache of KV_CACHE_GIB GiB (without it vLLM asks for 92% of the node's memory and refuses
-    to start when other processes hold some). A VLLM_LOGGING_LEVEL or VLLM_CPU_KVCACHE_SPACE
-    already in this process's environment wins."""
+    """The environment every vLLM engine of this project starts with, set before vLLM is imported (lesson.py
+    and eval.py in their own, devices.resolve_devices in each generator process's); one already set wins."""
     env = {
+        # the engine core in this process: with its own process the core keeps stepping on its own and step()
+        # only collects outputs, so weights loaded between two step() calls would not be those of every later token
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_USE_V2_MODEL_RUNNER": "0",  # the model runner the project was checked on (make_engine)
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+        # vLLM 0.32 runs its Model Runner V2 wherever triton works (every CUDA machine) and V1 elsewhere (the CPU:
+        # CPUModelRunner derives from V1's GPUModelRunner). Everything checked here on a real engine (the in-place
+        # reload between two steps, a step finished when step() returns, logprobs, preemption counts) ran on V1,
+        # none of it on V2: V1 on every platform, read back by check_engine_config
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),  # quiet: it logs every weight load
     }
-    if on_cpu:
+    if on_cpu:  # without it vLLM asks for 92% of the node's memory and refuses to start when others hold some
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
     return env
 
 
 def make_engine(cfg, worker_extension=None):
-    """vLLM's LLMEngine, in this process, stepped by us. Three settings make one
-    step() one forward pass that has finished when step() returns, so that weights
-    loaded between two step() calls are the weights of every later token:
-    - VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm_env, set before the engine starts: lesson.py,
-      eval.py, devices.resolve_devices): the engine core lives in this process. With the default
-      multiprocess core, the core keeps stepping on its own and step() only collects outputs.
-    - async_scheduling=False: on CUDA, vLLM 0.32 turns it on by default
-      (vllm/config/vllm.py); the engine then keeps a queue of 2 batches and launches
-      the next forward pass before step() returns, so a load between two step() calls
-      would land one step late and mislabel a token's version. The CPU platform forces
-      it off (vllm/platforms/cpu.py); we set it on every platform and read it back.
-    - no chunked prefill: a prompt's KV is written in one step, by one version.
-    And one that makes the GPU run the vLLM code the CPU tests run:
-    - VLLM_USE_V2_MODEL_RUNNER=0 (vllm_env): vLLM 0.32 picks its Model Runner V2
-      (v1/worker/gpu/model_runner.py) wherever triton works (vllm/config/vllm.py,
-      use_v2_model_runner), which is every CUDA machine, and the V1 runner
-      (v1/worker/gpu_model_runner.py) where it does not, which is the CPU: vLLM's
-      CPUModelRunner derives from the V1 GPUModelRunner. Everything this project checked
-      on a real engine (the in-place reload between two step() calls, a step that has
-      finished when step() returns, logprobs and preemption counts) ran on V1; V2 has its
-      own input and state handling that nothing here has run. So V1 on every platform, read
-      back from the engine's config, as async scheduling is.
-    worker_extension: a class path vLLM mixes into its worker (system.push.WeightReceiver
-    receives pushed weights there); None for an engine that loads them in this process."""
+    """vLLM's LLMEngine in this process, stepped by us: one step() is one forward pass, finished when it returns."""
     from vllm import EngineArgs, LLMEngine
 
     on_gpu = cfg.get("engine_device", "cpu").startswith("cuda")  # this engine's (devices.resolve_devices)
@@ -203,26 +180,27 @@ def make_engine(cfg, worker_extension=None):
         model=cfg["model_path"],
         tokenizer=cfg["model_path"],
         seed=cfg["seed"],
+        # on CPU the trainer's float32, which vLLM's "auto" would cast to bfloat16: other weights than it trains
         dtype="bfloat16" if on_gpu else "float32",
         max_model_len=max_len,
         max_num_seqs=cfg["max_num_seqs"],
+        # on CUDA vLLM 0.32 turns it on (vllm/config/vllm.py; the CPU platform forces it off, vllm/platforms/cpu.py)
+        # and launches the next forward pass before step() returns: weights loaded between two step() calls would
+        # land one step late and mislabel a token's version. Off on every platform, read back by check_engine_config
         async_scheduling=False,
-        # prefix caching would hand KV written by old weights to *new* requests
-        # (GRPO groups share prompts): off, so every request's KV is its own
+        # prefix caching would hand KV written by old weights to *new* requests (GRPO groups share prompts)
         enable_prefix_caching=False,
-        # unchunked prefill: a prompt's KV is written in one step, by one version. The
-        # budget is tokens prefilled per step: a recompute burst re-prefills every
-        # answer in flight (hundreds on GPU, where a large prefill step is cheap); on
-        # CPU, what vLLM's LLM class takes there (4096; an LLMEngine's default is 2048)
-        enable_chunked_prefill=False,
+        enable_chunked_prefill=False,  # a prompt's KV is written in one step, so by one version
+        # tokens prefilled per step: a recompute burst re-prefills every answer in flight (hundreds on GPU, where a
+        # large prefill step is cheap); on CPU what vLLM's LLM class takes (4096; an LLMEngine's default is 2048)
         max_num_batched_tokens=max(max_len, 16384 if on_gpu else 4096),
-        # logprob of the sampled token under the distribution actually sampled
-        # from (after temperature), which is the behaviour policy the trainer needs
+        # the logprob of the sampled token under the distribution it was sampled from (after temperature): the
+        # behaviour policy the trainer's importance weights need
         logprobs_mode="processed_logprobs",
-        worker_extension_cls=worker_extension or "",
+        worker_extension_cls=worker_extension or "",  # system.push.WeightReceiver receives pushed weights there
         gpu_memory_utilization=cfg.get("gen_memory_utilization") or 0.9,  # devices.resolve_devices'; unused on CPU
-        enforce_eager=not on_gpu,
-        disable_log_stats=True,
+        enforce_eager=not on_gpu,  # on CPU the model runs uncompiled, as the sampler below: no compile at each start
+        disable_log_stats=True,  # quiet: the run's own log says what a step did
     )
     if not on_gpu:
         # nothing compiled on CPU: enforce_eager leaves the model eager, and this leaves eager the

@@ -57,8 +57,7 @@ def main():
     from vllm import LLM, SamplingParams  # ~10 s to import: after the checks
     import torch
 
-    # the generator's dtype (engine.make_engine): vLLM's "auto" would cast a float32 checkpoint
-    # to bfloat16 on a CPU too, and measure other weights than train.py's evaluations do
+    # the generator's dtype (engine.make_engine says why): the weights train.py's evaluations measure
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     llm = LLM(model=model, seed=0, dtype=dtype, max_model_len=max_len)
     prompts = [dict(prompt_token_ids=ids) for ids in prompt_ids(llm.get_tokenizer(), problems, args.dataset)]

@@ -86,8 +86,9 @@ def wait(group, work, check):
     backend: NCCL's work.wait() only makes the current stream wait for it, and a dead peer never
     fails an NCCL collective (it hangs until the group's timeout). So: poll is_completed() and,
     between looks, check(), which raises when a peer is gone; then the group is aborted and the
-    error goes to the caller. Once completed, work.wait() raises gloo's error, or on NCCL orders
-    the current stream after the collective (docs/reliability.md says what each side reports)."""
+    error goes to the caller. Once completed, a work that failed raises its error after abort(); else
+    work.wait() orders the current stream after the collective on NCCL (docs/reliability.md says what
+    each side reports)."""
     # looks 10 us apart at first, then further, up to POLL_S: vLLM's loader takes one tensor at a time,
     # and one that arrives within microseconds is taken within microseconds, not at the next millisecond
     pause = 1e-5
@@ -99,6 +100,12 @@ def wait(group, work, check):
             raise
         time.sleep(pause)
         pause = min(2 * pause, POLL_S)
+    # NCCL completes a work when it records an error, and its wait() then aborts the communicator on
+    # this thread, for as long as the abort takes (ProcessGroupNCCL's WorkNCCL::wait): ours is bounded.
+    # (torch 2.13 prints once per process that Work.exception() is deprecated; it is NCCL's only way to ask)
+    if (error := work.exception()) is not None:
+        abort(group)
+        raise error
     work.wait()
 
 

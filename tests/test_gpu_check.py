@@ -117,6 +117,9 @@ class HeldWork:
     def is_completed(self):
         return True
 
+    def exception(self):
+        return None
+
     def wait(self):
         return True
 

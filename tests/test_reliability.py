@@ -388,6 +388,9 @@ class Work:
         self.looks += 1
         return self.looks >= self.n
 
+    def exception(self):
+        return None
+
     def wait(self):
         return True
 
@@ -397,6 +400,29 @@ class Group:
 
     def abort(self):
         self.aborted = True
+
+
+class FailedWork:
+    """NCCL's work once an error is recorded: completed, its exception set, and its wait() aborting the
+    communicator on the caller's thread for as long as that takes (here 60 s)."""
+
+    def is_completed(self):
+        return True
+
+    def exception(self):
+        return RuntimeError("NCCL error: remote process exited or there was a network error")
+
+    def wait(self):
+        time.sleep(60)
+        return True
+
+
+class SlowAbortGroup(Group):
+    """NCCL's abort, which may wait for its communicators up to the group's timeout (here 60 s)."""
+
+    def abort(self):
+        self.aborted = True
+        time.sleep(60)
 
 
 @pytest.mark.fast
@@ -428,6 +454,32 @@ def test_a_wait_looks_often_at_first_and_stops_when_a_peer_is_gone(monkeypatch):
     never = threading.Event()
     with pytest.raises(RuntimeError, match="the trainer is gone"):
         push.watched(never.wait, gone, "t")
+
+
+@pytest.mark.fast
+def test_a_failed_nccl_work_is_reported_within_the_abort_bound(monkeypatch):
+    """A work NCCL completed with an error (is_completed() True, exception() set), whose wait() would
+    abort the communicator on the caller's thread for 60 s: system.push.wait raises its error within
+    ABORT_S (1 s here), the group's abort left on a thread of its own (before: wait() called, 60 s)."""
+    import threading
+    from system import push
+
+    monkeypatch.setattr(push, "ABORT_S", 1)
+    group, raised = SlowAbortGroup(), []
+
+    def call():
+        try:
+            push.wait(group, FailedWork(), lambda: None)
+        except RuntimeError as e:
+            raised.append((e, time.time() - t0))
+
+    t0 = time.time()
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), "push.wait still waiting after 10 s: it called the failed work's wait()"
+    ((error, took),) = raised
+    assert "remote process exited" in str(error) and group.aborted and took < 3, (error, took)
 
 
 RANK_1 = """

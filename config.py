@@ -1,6 +1,6 @@
 """
 The settings both trainers share (lesson.py, train.py): the flags of the algorithm,
-each dataset's defaults and the named presets, the checks on them, and every setting
+the named presets on top of each task's defaults (data.TASKS), the checks on them, and every setting
 a run derives from them (fill), in one place so that the two run the same thing from
 the same flags and config.json records what ran. train.py adds the flags of its
 processes and devices (where each runs is devices.resolve_devices', on the machine it
@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from data import DATASETS, UsageError, hub_id_shaped, steps_range
+from data import TASKS, UsageError, hub_id_shaped, steps_range, task
 from pool import default_target
 from regimes import REGIMES
 
@@ -30,48 +30,7 @@ PRESET_MODELS = {  # --model names that are not Hub ids: directories in this rep
 LOSS_NAMES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po", "m2po-authors")
 
 BASE = dict(dataset="synth", synth_steps="2", max_lag=1, micro_batch_tokens=16384)  # unless a preset says otherwise
-DEFAULTS = {  # per dataset: what a plain `python train.py --dataset D` runs
-    "synth": dict(
-        model="tiny",
-        steps=150,
-        prompts_per_step=16,
-        group_size=8,
-        max_new_tokens=96,
-        lr=3e-5,
-        temperature=0.5,
-        lr_schedule="cosine",
-        eval_every=25,
-        eval_n=256,
-        max_model_len=512,
-    ),
-    "gsm8k": dict(
-        model="Qwen/Qwen3-0.6B",
-        steps=500,
-        prompts_per_step=32,
-        group_size=8,
-        max_new_tokens=1024,
-        lr=1e-6,
-        temperature=1.0,
-        lr_schedule="constant",
-        eval_every=50,
-        eval_n=500,
-        max_model_len=2048,
-    ),
-    "math": dict(
-        model="Qwen/Qwen3-0.6B",
-        steps=500,
-        prompts_per_step=32,
-        group_size=8,
-        max_new_tokens=2048,
-        lr=1e-6,
-        temperature=1.0,
-        lr_schedule="constant",
-        eval_every=50,
-        eval_n=500,
-        max_model_len=4096,
-    ),
-}
-PRESETS = {  # named settings on top of a dataset's defaults; flags given on the command line win
+PRESETS = {  # named settings on top of a task's defaults (data.TASKS); flags given on the command line win
     # MATH's analog: long-tailed answers (2,000 test problems' solutions: p50 32 tokens, p90 86, max 117),
     # the generator two versions ahead, short micro-batches (less padding); a warm start early in the jump
     # in which it learns to chain operations (tools/build_tiny.py, docs/presets.md), so RL has something to
@@ -101,10 +60,10 @@ def add_flags(p, program):
         ("regime",         list(REGIMES),   "recompute", "what happens to in-flight answers when new weights arrive "
                                                          "(regimes.py)"),
         ("preset",         sorted(PRESETS), None,        "named settings (PRESETS); flags given win (default: none)"),
-        ("dataset",        DATASETS,        FILL,        "task"),
-        ("data-file",      str,             None,        "local .jsonl/.parquet train split in the Hub schema "
+        ("dataset",        list(TASKS),     FILL,        "task (data.TASKS)"),
+        ("data-file",      str,             None,        "local .jsonl/.parquet train split in the task's schema "
                                                          "(offline; default: the Hub's)"),
-        ("eval-data-file", str,             None,        "local .jsonl/.parquet test split in the Hub schema "
+        ("eval-data-file", str,             None,        "local .jsonl/.parquet test split in the task's schema "
                                                          "(default: the Hub's)"),
         ("synth-steps",    str,             FILL,        "operations per synth problem (data.py), which set answer "
                                                          "length: S, or a long-tailed range A-B"),
@@ -181,7 +140,9 @@ def add_flags(p, program):
     # fmt: on
 
 
-FILL = object()  # a row's default when fill sets it (BASE, DEFAULTS, PRESETS, DERIVED): --help says what it comes to
+FILL = (
+    object()
+)  # a row's default when fill sets it (BASE, a task's defaults, PRESETS, DERIVED): --help says what it comes to
 
 
 def add_table(p, rows):
@@ -214,7 +175,7 @@ DERIVED = {
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
     """--help with every flag's default: a flag whose default is None (it comes from BASE,
-    DEFAULTS, PRESETS or DERIVED, or the flag has no value) says its own (default_text)."""
+    a task's defaults, PRESETS or DERIVED, or the flag has no value) says its own (default_text)."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
@@ -225,11 +186,11 @@ def default_text(key, presets=True):
     differ, and each preset's where it changes it (eval.py has no presets)."""
 
     def settings(dataset, preset={}):  # what fill makes of --dataset and --preset alone
-        s = {**BASE, **DEFAULTS[dataset], **preset}
+        s = {**BASE, **task(dataset).defaults, **preset}
         return {**s, **{k: rule(s) for k, rule in DERIVED.items() if k not in preset}}
 
     by = {}
-    for dataset in DEFAULTS:
+    for dataset in TASKS:
         by.setdefault(settings(dataset)[key], []).append(dataset)
     text = f"{next(iter(by))}" if len(by) == 1 else ", ".join(f"{'/'.join(ds)} {v}" for v, ds in by.items())
     for name, preset in PRESETS.items() if presets else ():
@@ -241,12 +202,12 @@ def default_text(key, presets=True):
 def fill(cfg, program):
     """Every setting a run derives from its flags, here and nowhere else, for both trainers
     (program: "train" or "lesson"), so that config.json records what the run used: flags not
-    given take the preset's value, then the dataset's default (checked: check_config), then
+    given take the preset's value, then the task's default (checked: check_config), then
     DERIVED's rules, the regime's own bound (sync: --max-lag 0), the model's directory and
     the run directory. A resumed run (checkpoint.resume_config) keeps what it had derived."""
     for k, v in {**BASE, **PRESETS.get(cfg["preset"], {})}.items():
         cfg[k] = v if cfg[k] is None else cfg[k]
-    for k, v in DEFAULTS[cfg["dataset"]].items():
+    for k, v in task(cfg["dataset"]).defaults.items():
         cfg[k] = v if cfg[k] is None else cfg[k]
     check_config(cfg)
     for k, rule in DERIVED.items():
@@ -347,9 +308,11 @@ def check_config(cfg):
             "a group is admitted whole, so none ever would be"
         )
     for flag in ("data_file", "eval_data_file"):
-        if cfg[flag] and cfg["dataset"] == "synth":
+        if cfg[flag] and task(cfg["dataset"]).make:
+            read = ", ".join(name for name, t in TASKS.items() if not t.make)
             raise UsageError(
-                f"--{flag.replace('_', '-')} is for --dataset gsm8k or math; synth problems are made in data.py"
+                f"--{flag.replace('_', '-')} is for a task read from rows ({read}); "
+                f"{cfg['dataset']} problems are made in data.py"
             )
         if cfg[flag] and not os.path.isfile(cfg[flag]):
             raise UsageError(f"--{flag.replace('_', '-')} {cfg[flag]}: no such file")

@@ -1,37 +1,25 @@
 """
-Problems and prompts: the synthetic task, GSM8K and MATH, one record shape for all.
+The tasks, one row each in TASKS: where a task's problems come from, what its rows hold, how a row
+becomes a problem, its prompt, how its answers are checked (reward.CHECKS) and what a run of it
+defaults to. A problem is a dict {"question": str, "answer": str}: `answer` is what reward.score checks.
+docs/fork.md adds a task.
 
-A problem is a dict {"question": str, "answer": str}: `answer` is the final answer
-that reward.score() checks (a number for synth/gsm8k, LaTeX for math).
+- synth: multi-step arithmetic word problems made here from a seed, worked solutions ending in "#### N".
+- gsm8k: openai/gsm8k. math: MATH-lighteval for train, MATH-500 for test.
 
-- synth: multi-step arithmetic word problems made here from a seed, with a worked
-  solution ending in "#### N" (gsm8k's format). `steps` sets how many operations,
-  hence how long the answers are -- the regimes differ only when answers are long.
-- gsm8k: openai/gsm8k (config "main"), splits train/test.
-- math: DigitalLearningGmbH/MATH-lighteval for train (the 7.5k MATH training
-  problems; the answer is the last \\boxed{} of the solution), HuggingFaceH4/MATH-500
-  for test (the 500-problem held-out split most papers report).
-
-Offline (no Hub access): pass --data-file with local .jsonl/.json/.parquet in the same
-schema as the Hub dataset; tests use the small files in fixtures/.
+Offline (no Hub access): --data-file / --eval-data-file, a local .jsonl/.json/.parquet of rows in the
+task's schema; tests use the small files in fixtures/.
 """
 
 import json
 import os
 import random
 import re
-
-HUB = {  # dataset -> split -> (hub id, config, hub split)
-    "gsm8k": {"train": ("openai/gsm8k", "main", "train"), "test": ("openai/gsm8k", "main", "test")},
-    "math": {
-        "train": ("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
-        "test": ("HuggingFaceH4/MATH-500", "default", "test"),
-    },
-}
-DATASETS = ("synth", "gsm8k", "math")
+from typing import Callable, NamedTuple
 
 # -----------------------------------------------------------------------------
-# the synthetic task
+# the synthetic task: --synth-steps sets how many operations, hence how long the answers are (the
+# regimes differ only when answers are long)
 
 NAMES = ["Ann", "Ben", "Mia", "Tom", "Eva", "Sam", "Lia", "Max"]
 THINGS = ["apples", "coins", "books", "cards", "shells", "stamps"]
@@ -83,7 +71,7 @@ def synth_split(split, n, steps):
 
 
 # -----------------------------------------------------------------------------
-# hub datasets
+# the Hub's datasets: how a row becomes a problem
 
 
 def last_boxed(text):
@@ -99,10 +87,81 @@ def last_boxed(text):
     return None
 
 
-SCHEMA = {  # dataset -> fields a row needs, and what the error message shows of the schema
-    "gsm8k": (("question", "answer"), '{"question": str, "answer": str ending in "#### N"}'),
-    "math": (("problem",), '{"problem": str, "solution": str with a final \\boxed{}, "answer": str (optional)}'),
+def gsm8k_problem(row):
+    """openai/gsm8k: the final answer is what follows "####" in the worked solution."""
+    return {"question": row["question"], "answer": str(row["answer"]).split("####")[-1].strip()}
+
+
+def math_problem(row):
+    """MATH: MATH-500's rows have `answer`; lighteval's only the solution, whose last \\boxed{} is the answer."""
+    if not row.get("answer") and "solution" not in row:
+        raise ValueError("has neither 'answer' nor 'solution'")
+    return {"question": row["problem"], "answer": row.get("answer") or last_boxed(row["solution"])}
+
+
+# -----------------------------------------------------------------------------
+# prompts
+
+
+def boxed_prompt(tokenizer, question):
+    """Chat template when the model has one (Qwen3, thinking off), else a plain prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        content = question + "\nPlease reason step by step, and put your final answer within \\boxed{}."
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+    return f"Question: {question}\nAnswer:"
+
+
+# -----------------------------------------------------------------------------
+# the tasks
+
+
+class Task(NamedTuple):
+    """One row of TASKS: a task, from where its problems come to how its answers are checked."""
+
+    hub: dict | None  # split -> (Hub id, config, Hub split); None: local files only (--data-file)
+    fields: tuple  # what every row must hold
+    schema: str  # what a row looks like, for the errors that show it
+    problem: Callable | None  # row -> {"question", "answer"}; a row it cannot read: ValueError("why")
+    prompt: Callable  # (tokenizer, question) -> the prompt's text
+    check: str  # how an answer is checked: a key of reward.CHECKS
+    defaults: dict  # what a plain `python train.py --dataset NAME` runs (a preset or a flag given wins)
+    make: Callable | None = None  # (split, n, steps) -> problems, for a task made here rather than read
+
+
+# fmt: off
+TINY = dict(  # the tiny model on the synthetic task: minutes on a laptop's CPU
+    model="tiny", steps=150, prompts_per_step=16, group_size=8, max_new_tokens=96, lr=3e-5, temperature=0.5,
+    lr_schedule="cosine", eval_every=25, eval_n=256, max_model_len=512,
+)
+QWEN = dict(  # Qwen3-0.6B on GPUs, with each task's lengths
+    model="Qwen/Qwen3-0.6B", steps=500, prompts_per_step=32, group_size=8, lr=1e-6, temperature=1.0,
+    lr_schedule="constant", eval_every=50, eval_n=500,
+)
+TASKS = {
+    "synth": Task(hub=None, fields=(), schema="made here (synth_problem)", problem=None, prompt=boxed_prompt,
+                  check="number", defaults=TINY, make=lambda split, n, steps: synth_split(split, n or 5000, steps)),
+    "gsm8k": Task(hub={"train": ("openai/gsm8k", "main", "train"), "test": ("openai/gsm8k", "main", "test")},
+                  fields=("question", "answer"), schema='{"question": str, "answer": str ending in "#### N"}',
+                  problem=gsm8k_problem, prompt=boxed_prompt, check="number",
+                  defaults=dict(QWEN, max_new_tokens=1024, max_model_len=2048)),
+    "math":  Task(hub={"train": ("DigitalLearningGmbH/MATH-lighteval", "default", "train"),  # the 7.5k MATH problems
+                       "test": ("HuggingFaceH4/MATH-500", "default", "test")},  # the held-out 500 most papers report
+                  fields=("problem",),
+                  schema='{"problem": str, "solution": str with a final \\boxed{}, "answer": str (optional)}',
+                  problem=math_problem, prompt=boxed_prompt, check="latex",
+                  defaults=dict(QWEN, max_new_tokens=2048, max_model_len=4096)),
 }
+# fmt: on
+DATASETS = tuple(TASKS)  # their names (tools/gpu_check.py's --dataset); the flags read TASKS when they are made
+
+
+def task(name):
+    """The task called `name`, or a UsageError naming the ones there are."""
+    if name not in TASKS:
+        raise UsageError(f"unknown task (--dataset) {name!r}: expected one of {', '.join(TASKS)} (data.TASKS)")
+    return TASKS[name]
 
 
 class UsageError(Exception):
@@ -113,17 +172,15 @@ class UsageError(Exception):
 
 
 def to_problem(row, dataset, where="a row"):
-    """Map one row of the Hub schema to {"question", "answer"}."""
-    fields, schema = SCHEMA[dataset]
-    for k in fields:
-        if k not in row:
-            raise UsageError(f"{where} has no {k!r} field; {dataset} rows look like {schema}")
-    if dataset == "gsm8k":
-        return {"question": row["question"], "answer": str(row["answer"]).split("####")[-1].strip()}
-    if not row.get("answer") and "solution" not in row:
-        raise UsageError(f"{where} has neither 'answer' nor 'solution'; {dataset} rows look like {schema}")
-    answer = row.get("answer") or last_boxed(row["solution"])  # MATH-500 has `answer`, lighteval not
-    return {"question": row["problem"], "answer": answer}
+    """Map one row of the task's schema to {"question", "answer"} (its `problem`)."""
+    t = task(dataset)
+    try:
+        for k in t.fields:
+            if k not in row:
+                raise ValueError(f"has no {k!r} field")
+        return t.problem(row)
+    except ValueError as e:  # a row the task cannot read: say where, and what its rows look like
+        raise UsageError(f"{where} {e}; {dataset} rows look like {t.schema}") from None
 
 
 FORMATS = ".jsonl (one JSON object a line), .json (one array of objects) or .parquet"
@@ -201,7 +258,9 @@ def hub_reachable(timeout=3.0):
 def load_rows(dataset, split, data_file, flag):
     if data_file:
         return read_rows_file(data_file)
-    hub_id, config, hub_split = HUB[dataset][split]
+    if task(dataset).hub is None:
+        raise UsageError(f"--dataset {dataset} is read from local files only: pass {flag}")
+    hub_id, config, hub_split = task(dataset).hub[split]
     if not hub_reachable():  # the local cache only, without the retries; the generator inherits this
         os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is imported: before the import below
     import datasets  # slow import, only for hub datasets
@@ -213,23 +272,22 @@ def load_rows(dataset, split, data_file, flag):
     except Exception as e:  # offline, or the hub is unreachable: say what to do
         raise UsageError(
             f"could not load the {split} split of {hub_id} ({type(e).__name__}); offline? "
-            f"pass {flag} with a local .jsonl/.parquet in its schema (see fixtures/{dataset}.jsonl)"
+            f"pass {flag} with a local .jsonl/.parquet of rows like {task(dataset).schema}"
         ) from None
 
 
 def load_problems(dataset, split, n=None, data_file=None, steps=4, flag="--data-file"):
     """The first n problems of a split (all of them when n is None). `flag` is the
     option that gives this split a local file: error messages name it."""
-    if dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}, expected one of {DATASETS}")
+    t = task(dataset)
     if split not in ("train", "test"):
         raise ValueError(f"unknown split {split!r}")
-    if dataset == "synth":
-        return synth_split(split, n or 5000, steps)
+    if t.make:
+        return t.make(split, n, steps)
     if data_file and not os.path.isfile(data_file):
         raise UsageError(f"{flag} {data_file}: no such file")
     rows = load_rows(dataset, split, data_file, flag)
-    where = data_file or HUB[dataset][split][0]
+    where = data_file or t.hub[split][0]
     problems = [to_problem(r, dataset, f"{where} row {i}") for i, r in enumerate(rows[:n] if n else rows, 1)]
     return [p for p in problems if p["answer"]]
 
@@ -251,17 +309,12 @@ def load_splits(cfg):
 
 
 # -----------------------------------------------------------------------------
-# prompts
+# a problem's prompt
 
 
 def make_prompt(tokenizer, question, dataset):
-    """Chat template when the model has one (Qwen3, thinking off), else a plain prompt."""
-    if getattr(tokenizer, "chat_template", None):
-        content = question + "\nPlease reason step by step, and put your final answer within \\boxed{}."
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
-    return f"Question: {question}\nAnswer:"
+    """The prompt of a problem of task `dataset` (its row's `prompt`)."""
+    return task(dataset).prompt(tokenizer, question)
 
 
 def prompt_ids(tokenizer, problems, dataset):

@@ -12,8 +12,8 @@ import argparse
 import os
 
 import config
-from config import BASE, DEFAULTS, model_path
-from data import DATASETS, load_problems, prompt_ids
+from config import BASE, model_path
+from data import TASKS, load_problems, prompt_ids, task
 from engine import vllm_env
 from system.preflight import check_budget, check_model
 from reward import grade
@@ -30,22 +30,23 @@ def main():
     said = lambda key: config.default_text(key, presets=False)  # train.py's default on each dataset
     # fmt: off
     config.add_table(parser, [  # a row each (name, type, default, help)
-        ("dataset",        DATASETS, BASE["dataset"],     "which test split"),
-        # the rest: what train.py evaluates with on --dataset (config.DEFAULTS), so that the numbers compare
-        ("n",              int,      None,                f"number of test problems, the first n (train.py's --eval-n: "
-                                                          f"{said('eval_n')})"),
-        ("data-file",      str,      None,                "local .jsonl/.parquet test split in the Hub schema "
-                                                          "(default: the Hub's)"),
-        ("synth-steps",    str,      BASE["synth_steps"], "operations per synth problem: S or a long-tailed range A-B"),
-        ("max-new-tokens", int,      None,                f"answer length cap ({said('max_new_tokens')})"),
-        ("max-model-len",  int,      None,                f"prompt + answer cap ({said('max_model_len')})"),
-        ("temperature",    float,    0.0,                 "0: greedy (the default pass@1)"),
-        ("show",           int,      0,                   "print the first N answers, how each ended and its score: "
-                                                          "read what the model writes, not only the number"),
+        ("dataset",        list(TASKS), BASE["dataset"],     "which task's test split (data.TASKS)"),
+        # the rest: what train.py evaluates with on --dataset (its task's defaults), so that the numbers compare
+        ("n",              int,         None,                f"number of test problems, the first n (train.py's "
+                                                             f"--eval-n: {said('eval_n')})"),
+        ("data-file",      str,         None,                "local .jsonl/.parquet test split in the task's schema "
+                                                             "(default: the Hub's)"),
+        ("synth-steps",    str,         BASE["synth_steps"], "operations per synth problem: S or a long-tailed range "
+                                                             "A-B"),
+        ("max-new-tokens", int,         None,                f"answer length cap ({said('max_new_tokens')})"),
+        ("max-model-len",  int,         None,                f"prompt + answer cap ({said('max_model_len')})"),
+        ("temperature",    float,       0.0,                 "0: greedy (the default pass@1)"),
+        ("show",           int,         0,                   "print the first N answers, how each ended and its "
+                                                             "score: read what the model writes, not only the number"),
     ])
     # fmt: on
     args = parser.parse_args()
-    model, defaults = model_path(args.model), DEFAULTS[args.dataset]
+    model, defaults = model_path(args.model), task(args.dataset).defaults
     problems = load_problems(
         args.dataset, "test", n=args.n or defaults["eval_n"], data_file=args.data_file, steps=args.synth_steps
     )

@@ -1,25 +1,13 @@
 """
-Rewards: score(completion, answer, dataset) is 1.0 when the completion's final answer is right, else 0.0.
+Rewards: score(completion, answer, task) is 1.0 when the completion's final answer is right, else 0.0,
+by the check the task names (data.TASKS, CHECKS here): "number" (synth, gsm8k) compares the final
+number as a decimal, "latex" (math) the last \\boxed{} by math-verify's symbolic equivalence. Any
+completion gives 0.0 or 1.0, never an exception or a hang; an unknown task is a UsageError.
 
-- synth / gsm8k: the model's answer is the first number after the last "####"; else, if there is a
-  \\boxed{...}, the number in the last one (the box is final, as in Qwen2.5-Math's grader and
-  open-r1's: an empty box, or one without a number, is no answer, not a cue to look elsewhere);
-  else the last number in the text (lm-eval's "flexible-extract"). It and the reference (gsm8k's text after
-  "#### ", e.g. "72" or "1,000") lose commas, "$", "%", whitespace and a trailing "." and compare
-  as decimals when both parse: "1,234" == "1234", "12.0" == "12", "$-3." == "-3".
-- math: the content of the last \\boxed{...} against the reference LaTeX (MATH-500's `answer`), by
-  math-verify's symbolic/numeric equivalence: 0.5 == \\frac12 == \\frac{1}{2}. No box, no reward.
-
-grade and scored turn scores into pass@1: an evaluation's answers graded (one cut at the
-length cap is wrong) for both trainers and eval.py.
-
-Any completion text gives 0.0 or 1.0, never an exception or a hang (an unknown dataset is a ValueError).
-
-reward(..., format_weight=w, truncated=False) is what the trainer uses: score(), except that a wrong
-answer whose last \\boxed{} holds an answer (a number for synth/gsm8k, anything for math) earns w
-(DeepSeek-R1's format reward; train.py --format-reward, default 0, so reward == score), and an
-answer cut off at the length cap earns 0 whatever it says: it never finished, so a number in it is
-not its answer (train.py --truncated).
+reward(...) is what the trainer pays: score(), or format_weight for a wrong answer whose last \\boxed{}
+holds an answer (DeepSeek-R1's format reward, --format-reward), and 0 for an answer cut off at the
+length cap, which never finished (--truncated). grade and scored turn scores into pass@1 for both
+trainers and eval.py.
 """
 
 import ctypes
@@ -27,12 +15,14 @@ import re
 import threading
 from decimal import Decimal, InvalidOperation
 from itertools import accumulate
+from typing import Callable, NamedTuple
 
 import sympy
 from math_verify import LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
-from data import last_boxed
+import data
+from data import UsageError, last_boxed
 
 NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 TIMEOUT_S = 5.0  # per math answer (math-verify's default); real answers take milliseconds
@@ -42,9 +32,9 @@ def final_number(text):
     """The answer's number: after the last "####", else in the last \\boxed{}, else the last one."""
     if "####" in text:
         part = text.rsplit("####", 1)[1]
-    elif (box := last_boxed(text)) is not None:
-        part = box
-    else:
+    elif (box := last_boxed(text)) is not None:  # the box is final, as in Qwen2.5-Math's grader and open-r1's:
+        part = box  # an empty box, or one without a number, is no answer, not a cue to look elsewhere
+    else:  # lm-eval's "flexible-extract"
         found = NUMBER.findall(text)
         return found[-1] if found else None
     m = NUMBER.search(part)
@@ -52,12 +42,19 @@ def final_number(text):
 
 
 def normalise(s):
+    """Without commas, "$", "%", whitespace and a trailing ".", as a decimal when it parses: "1,234" == "1234"."""
     s = s.replace(",", "").replace("$", "").replace("%", "").strip().rstrip(".")
     try:
         d = Decimal(s)  # numeric compare: "12.00" == "12"
         return d if d.is_finite() else s  # NaN equals nothing, sNaN even raises on ==
     except InvalidOperation:
         return s
+
+
+def number_is_right(completion, answer):
+    """The completion's final number (final_number) equals the reference (gsm8k's text after "#### ")."""
+    pred = final_number(completion)
+    return float(pred is not None and normalise(pred) == normalise(answer))
 
 
 def grows(n):  # a power / factorial with a numeric exponent / argument beyond +-1 (so not 1/x or sqrt)
@@ -112,44 +109,63 @@ def run_with_timeout(fn, seconds):
     return out[0] if out else 0.0
 
 
-def score(completion, answer, dataset):
-    if dataset in ("synth", "gsm8k"):
-        pred = final_number(completion)
-        return float(pred is not None and normalise(pred) == normalise(answer))
-    if dataset == "math":
-        box = last_boxed(completion)
-        # math-verify's ANTLR parser is exponential on some short nested inputs (\boxed{{{{...}}}}), so
-        # only hand it a short, shallow box; the timeout covers the rest (e.g. \boxed{x^x^x^...})
-        if box is None or len(box) > 300 or max(accumulate((c in "{([") - (c in "})]") for c in box), default=0) > 10:
-            return 0.0
-        return run_with_timeout(lambda: check_math(box, answer), TIMEOUT_S)
-    raise ValueError(f"unknown dataset {dataset!r}, expected synth, gsm8k or math")
-
-
-def boxed_answer(completion, dataset):
-    """Whether the last \\boxed{} holds an answer: a number (synth, gsm8k) or any text (math)."""
+def latex_is_right(completion, answer):
+    """The content of the last \\boxed{} against the reference LaTeX (MATH-500's `answer`), by math-verify's
+    symbolic/numeric equivalence: 0.5 == \\frac12 == \\frac{1}{2}. No box, no reward."""
     box = last_boxed(completion)
-    return box is not None and (bool(box.strip()) if dataset == "math" else bool(NUMBER.search(box)))
+    # math-verify's ANTLR parser is exponential on some short nested inputs (\boxed{{{{...}}}}), so
+    # only hand it a short, shallow box; the timeout covers the rest (e.g. \boxed{x^x^x^...})
+    if box is None or len(box) > 300 or max(accumulate((c in "{([") - (c in "})]") for c in box), default=0) > 10:
+        return 0.0
+    return run_with_timeout(lambda: check_math(box, answer), TIMEOUT_S)
 
 
-def reward(completion, answer, dataset, format_weight=0.0, truncated=False):
+class Check(NamedTuple):
+    right: Callable  # (completion, answer) -> 1.0 if the answer is right, else 0.0
+    boxed: Callable  # (the last \boxed{}'s content) -> whether it holds an answer (the format reward)
+
+
+CHECKS = {  # a task's `check` (data.TASKS): a new way to check answers is a function and a row here
+    "number": Check(number_is_right, boxed=lambda box: bool(NUMBER.search(box))),
+    "latex": Check(latex_is_right, boxed=lambda box: bool(box.strip())),
+}
+
+
+def check(name):
+    """The check task `name` names (data.TASKS, CHECKS): a UsageError for an unknown task or check."""
+    if (c := data.task(name).check) not in CHECKS:
+        raise UsageError(f"task {name!r} is checked by {c!r}, which is not in reward.CHECKS ({', '.join(CHECKS)})")
+    return CHECKS[c]
+
+
+def score(completion, answer, task):
+    return check(task).right(completion, answer)
+
+
+def boxed_answer(completion, task):
+    """Whether the last \\boxed{} holds an answer, as the task's check reads one (a number, any text)."""
+    box = last_boxed(completion)
+    return box is not None and check(task).boxed(box)
+
+
+def reward(completion, answer, task, format_weight=0.0, truncated=False):
     if truncated:
         return 0.0
-    return max(score(completion, answer, dataset), format_weight * boxed_answer(completion, dataset))
+    return max(score(completion, answer, task), format_weight * boxed_answer(completion, task))
 
 
-def grade(completions, problems, dataset, truncated=None):
+def grade(completions, problems, task, truncated=None):
     """1.0 for each problem answered right, else 0.0; an answer cut at the length cap (truncated) is wrong."""
     truncated = truncated or [False] * len(completions)
-    return [score(c, p["answer"], dataset) * (not cut) for c, p, cut in zip(completions, problems, truncated)]
+    return [score(c, p["answer"], task) * (not cut) for c, p, cut in zip(completions, problems, truncated)]
 
 
-def scored(answers, tokenizer, problems, dataset, log, step, version):
+def scored(answers, tokenizer, problems, task, log, step, version):
     """An evaluation of both trainers: greedy answers, (token ids, finish reason) per test
     problem in order, graded (one cut at the length cap is wrong) and kept in
     eval_answers.jsonl (runlog.RunLog.evaluation); returns the step's eval metrics."""
     texts = tokenizer.batch_decode([ids for ids, _ in answers], skip_special_tokens=True)
     cut = [reason == "length" for _, reason in answers]
-    right = grade(texts, problems, dataset, cut)
+    right = grade(texts, problems, task, cut)
     log.evaluation(step, version, texts, problems, cut, right)
     return dict(eval_acc=sum(right) / max(1, len(problems)), eval_truncated_frac=sum(cut) / len(cut))

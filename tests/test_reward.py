@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reward
-from data import to_problem
+from data import TASKS, UsageError, to_problem
 from reward import score
 
 pytestmark = pytest.mark.fast  # the tier to run after an edit (tests/conftest.py): ~20 s
 
-DATASETS = ["synth", "gsm8k", "math"]
+DATASETS = list(TASKS)  # every task, each checked as its row says (reward.CHECKS)
 PROPS = settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 
 # -----------------------------------------------------------------------------
@@ -123,8 +123,10 @@ def test_truncated_answers_earn_nothing(dataset):
 
 
 def test_unknown_dataset():
-    with pytest.raises(ValueError):
-        score("#### 1", "1", "gsm8k_typo")
+    """A task nothing knows is refused by name, never read as a default (boxed_answer once read it as a number)."""
+    for check in (lambda: score("#### 1", "1", "gsm8k_typo"), lambda: reward.boxed_answer("\\boxed{1}", "gsm8k_typo")):
+        with pytest.raises(UsageError, match="unknown task .*'gsm8k_typo'.*synth, gsm8k, math"):
+            check()
 
 
 # -----------------------------------------------------------------------------

@@ -155,7 +155,7 @@ def recipe_hash(name="tiny"):
     re-commented source keeps its hash, a changed one does not)."""
     import data
 
-    functions = (data.synth_problem, data.make_prompt, build_tokenizer, build_model, sft)
+    functions = (data.synth_problem, data.make_prompt, data.TASKS["synth"].prompt, build_tokenizer, build_model, sft)
     code = "".join(ast.dump(ast.parse(textwrap.dedent(inspect.getsource(f)))) for f in functions)
     return hashlib.sha256((json.dumps(RECIPES[name], sort_keys=True) + code).encode()).hexdigest()[:10]
 

@@ -203,7 +203,6 @@ VALUES = {  # the course's numbers from its tables: the worked examples, the sen
     "drain-lag": lambda: f"{regime('drain')['lag']:.2f}",
     "drain-idle": lambda: f"{100 * regime('drain')['gen_idle']:.0f}%",  # the README's regimes table
     "sync-idle": lambda: f"{100 * regime('sync')['gen_idle']:.0f}%",
-    "stale-share": lambda: f"{100 * regime('stale')['stale']:.0f}%",
     "speed-x2-stale": cell("speed", "(x2)", "stale", fmt="{:.1f}%"),  # the course's sentences under its tables
     "speed-x4-stale": cell("speed", "(x4)", "stale", fmt="{:.1f}%"),
     "speed-x4-idle": cell("speed", "(x4)", "gen_idle"),

@@ -30,9 +30,7 @@ from typing import NamedTuple
 
 from engine import Generator, as_tensors, load_in_place, make_engine, vllm_env
 
-# vLLM's engine core in this process (one engine.step() is one forward pass, done when it
-# returns), quiet, with a fixed KV cache: set before anything imports vLLM
-os.environ.update(vllm_env())
+os.environ.update(vllm_env())  # before anything imports vLLM (vllm_env says what each setting is for)
 
 import config
 import grpo
@@ -240,8 +238,10 @@ def main(argv=None, engine=None):
         if gen.inflight:
             gen.set_activity("generating" if gen.admitting else "draining")
             gen.step()
-        elif push:  # sync, or --max-lag reached: nothing to write until new weights load
+        elif push and clock.now() < push.ready_s:  # sync, or --max-lag reached: nothing to write until they come
             gen.idle_until(push.ready_s)  # time jumps to the weights' arrival
+        elif push:  # regimes.py's in-flight rule: no engine step would come, so no time, and it would wait for ever
+            raise RuntimeError(f"regime {cfg['regime']}: switch returned False with no answer in flight (regimes.py)")
         else:
             raise RuntimeError("nothing in flight, no weights coming and no batch ready: the loop cannot go on")
 

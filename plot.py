@@ -256,7 +256,7 @@ def legend_handles(versions):
 
 
 def cost(run, regime):
-    """What the regime paid in this run, from its ledger: a panel's title."""
+    """What the regime paid in this run, from its ledger: a panel's title ("" for a regime not named here)."""
     path = os.path.join(run, "ledger.json")
     if not os.path.exists(path):
         return ""
@@ -272,8 +272,10 @@ def cost(run, regime):
         return f"{100 * tok['discarded'] / max(1, tok['generated']):.0f}% of generated tokens thrown away"
     if regime == "recompute":
         return f"{100 * tok['recomputed'] / max(1, tok['generated']):.0f}% of generated tokens prefilled again"
-    steps = [m for m in read_jsonl(os.path.join(run, "metrics.jsonl")) if "trained_tokens" in m]
-    return f"{100 * per_token(steps, 'stale_token_frac'):.0f}% of trained tokens stale"
+    if regime == "stale":
+        steps = [m for m in read_jsonl(os.path.join(run, "metrics.jsonl")) if "trained_tokens" in m]
+        return f"{100 * per_token(steps, 'stale_token_frac'):.0f}% of trained tokens stale"
+    return ""  # a regime of your own (regimes.REGIMES): its panel is titled by its name alone
 
 
 def plot_answers(runs, window=None, lanes=24, out=None, engine=None):

@@ -1,21 +1,6 @@
 """
-The five regimes: what happens to half-written answers when weights v+1 arrive.
-
-Each regime is one class with one method, `switch(gen, version, weights)`, called
-between two engine steps on every turn of the loop while new weights wait (lesson.py's
-loop, or the generator process's in system/generator.py: the same classes). It returns True
-once it has loaded them. Everything it may do to the generator (engine.Generator):
-
-    gen.load_weights(version, weights)  load them in place, between two engine steps
-    gen.abort_all()                     take every answer out of vLLM, freeing its KV; returns them
-    gen.submit(rollout)                 (re)start an answer: prompt + its tokens so far are prefilled
-    gen.admitting = False/True          stop / resume admitting new prompts
-    gen.inflight                        the answers vLLM is writing now
-    gen.clock.now()                     the time: real in the generator process, simulated in lesson.py
-
-Per-token bookkeeping (engine.Rollout.record) follows from these calls: a token
-carries the version loaded when it was sampled, and is flagged stale when its
-request's oldest KV was written by an older version than that.
+The five regimes: what happens to half-written answers when weights v+1 arrive. A regime is one class
+in REGIMES (the contract below); lesson.py and the generator process (system/generator.py) drive the same ones.
 
 | regime    | in-flight answers at the switch          | off-policy afterwards         | cost                        |
 |-----------|------------------------------------------|-------------------------------|-----------------------------|
@@ -25,6 +10,33 @@ request's oldest KV was written by an older version than that.
 | stale     | continue: v+1 reads KV written by v      | tokens after the switch stale | nothing                     |
 | recompute | KV of prompt + partial rebuilt under v+1 | prefix tokens from v          | recomputed (prefill) tokens |
 """
+
+# The contract (docs/fork.md adds a sixth). A regime is a class made with no arguments, once per engine, with one
+# method, switch(gen, version, weights): the loop calls it between two engine steps, on every turn while
+# weights `version` wait, until it returns True, which it does once it has loaded them. The in-flight rule:
+# in lesson.py, switch may return False only while answers are in flight, since time there moves only by
+# engine steps; a False with nothing in flight stops the lesson with a RuntimeError (in the generator
+# process the real clock goes on, and the switch is asked again). What a regime may read or call, no more:
+#
+#   gen.load_weights(version, weights)  load them in place, between two engine steps (weights as given)
+#   gen.abort_all()                     take every answer out of vLLM, freeing its KV; returns their Rollouts
+#   gen.submit(rollout)                 (re)start an answer: prompt + its tokens so far are prefilled
+#   gen.admitting = False/True          stop / resume admitting new prompts: the timeline shows "draining"
+#                                       meanwhile, and gen.stats["gen_drain_s"] counts that time (as Drain)
+#   gen.inflight                        the answers vLLM is writing now (request id -> Rollout)
+#   gen.clock.now()                     the time: real in the generator process, simulated in lesson.py
+#   gen.stats[key] += x                 its cost, which metrics.jsonl reports: "discarded_tokens", "gen_drain_s"
+#   rollout.tokens                      the answer's tokens so far
+#   rollout.restart(now)                forget them (count them first; its provenance keeps them): it starts
+#                                       again from its prompt
+#   rollout.kv_version = None           its KV is about to be rebuilt: the step that prefills it records the
+#                                       version that wrote it and counts the rebuilt tokens (Rollout.record).
+#                                       Not set, the old KV counts as kept: later tokens are flagged stale
+#                                       and the clock charges no prefill
+#   max_lag = k (class attribute)       the regime's own --max-lag, over the flag's (config.fill; sync: 0)
+#
+# Per-token bookkeeping (engine.Rollout.record) follows from these calls: a token carries the version loaded
+# when it was sampled, and is flagged stale when its request's oldest KV was written by an older version.
 
 
 class Sync:

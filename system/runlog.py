@@ -159,12 +159,24 @@ class Budgets:
             print(f"budgets {missed}: after the run's end ({now:.1f} simulated s)")
 
 
+def push_part(m):
+    """What the pushes did to half-written answers: the share of the step's answers written across one,
+    and what the regime paid for them (only what it paid: a share that is 0 by its design is not shown)."""
+    paid = [
+        f"stale {100 * m['stale_token_frac']:.1f}%" if m["stale_token_frac"] else "",  # stale: tokens that read old KV
+        f"rebuilt {m['recomputed_tokens']} tok" if m.get("recomputed_tokens") else "",  # recompute: KV prefilled again
+        f"thrown {m['discarded_tokens']} tok" if m.get("discarded_tokens") else "",  # discard: aborted, restarted
+    ]
+    return f" | across a push {100 * m['spanning_frac']:.0f}%" + "".join(f", {p}" for p in paid if p)
+
+
 def step_line(m):
     """The log line of a step (metrics.jsonl has the same numbers, and more)."""
     return (
         f"step {m['step']} | v{m['version']} | reward {m['reward_mean']:.3f}"
         + (f" | eval v{m['eval_version']} {m['eval_acc']:.3f}" if "eval_acc" in m else "")
-        + f" | stale {100 * m['stale_token_frac']:.1f}% | lag {m['lag_mean']:.2f}"
+        + push_part(m)
+        + f" | lag {m['lag_mean']:.2f}"
         + (
             f" | ess {m['ess']:.3f} clipped {100 * m['clipped_frac']:.1f}% kl {m['kl']:.1e}"
             if m.get("ess") is not None

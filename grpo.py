@@ -95,7 +95,11 @@ LOGIT_CHUNK_BYTES = 256 << 20  # float32 logits computed at once: 441 positions 
 def chunk_logprobs(head, hidden, targets, temperature):
     """hidden: (n, H) -> log pi(targets) (n,), through a (n, V) float32 logit tensor:
     the only full-vocabulary tensor of the step, one chunk at a time."""
-    logits = head(hidden).float() / temperature  # (n, V)
+    # the head's matmul in float32, autocast off for it alone: under bf16 autocast head(hidden) rounded
+    # every logit to bf16, and each ratio pi/mu with it (PipelineRL needed an fp32 lm_head for logprob
+    # parity with vLLM). Costs an fp32 (n, H) x (H, V) matmul on a GPU, ~0.3 GFLOP a token for Qwen3-0.6B
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = head(hidden.to(head.weight.dtype)).float() / temperature  # (n, V)
     return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
 
 

@@ -233,6 +233,28 @@ def test_step_memory_at_qwen3_vocabulary():
 
 
 @pytest.mark.fast
+def test_logits_are_float32_under_autocast():
+    """The trainer's forward runs under bf16 autocast on a GPU; its logits must still be float32, the
+    head's matmul included (vLLM's logprobs are compared with these, and every ratio pi/mu carries
+    what they round: PipelineRL needed an fp32 lm_head for logprob parity). Under CPU autocast
+    (bf16, as CUDA's), the head of grpo.answer_logprobs gives float32 logits, and its logprobs equal
+    an fp32 reference from the same hidden states (before: head(hidden) in bf16, cast after)."""
+    model, batch = small_model(), with_logprobs(batch_of([7, 30, 12]))
+    head = model.get_output_embeddings()
+    seen = []
+    # the chunks' calls, (n, H); not the model's own (logits_to_keep=1: (B, 1, H)), whose logits go unused
+    head.register_forward_hook(lambda m, args, out: seen.append((args[0], out.dtype)) if args[0].dim() == 2 else None)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = grpo.answer_logprobs(model, batch, 0.7, "cpu")
+    assert seen and all(dtype == torch.float32 for _, dtype in seen), [d for _, d in seen]
+    hidden = torch.cat([h for h, _ in seen]).float()  # what the model gave the head (bf16 under autocast)
+    targets = torch.cat([s["token_ids"] for s in batch])
+    reference = torch.log_softmax(hidden @ head.weight.T / 0.7, -1).gather(-1, targets[:, None])[:, 0]
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.fast
 def test_buffer_device_follows_backend():
     """torch names backends in lowercase: the receive buffers must not depend on "NCCL"."""
     import tempfile

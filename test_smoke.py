@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))  # for tests/helpers.py
 from helpers import ROOT, check_run, read, train  # noqa: E402  (train: train.py to its end)
+from regimes import REGIMES  # noqa: E402
 
 SMALL = [
     "--eval-every",
@@ -38,7 +39,7 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("regime", ["sync", "drain", "discard", "stale", "recompute"])
+@pytest.mark.parametrize("regime", list(REGIMES))  # every regime registered, a sixth too
 def test_regime_end_to_end(regime, tmp_path):
     run = str(tmp_path / regime)
     # the one run that plots also turns the format reward on, so its line is drawn (tiny never boxes: 0)

@@ -121,6 +121,8 @@ def latex_is_right(completion, answer):
 
 
 class Check(NamedTuple):
+    """How a task's answers are checked: a row of CHECKS, which data.TASKS' rows name."""
+
     right: Callable  # (completion, answer) -> 1.0 if the answer is right, else 0.0
     boxed: Callable  # (the last \boxed{}'s content) -> whether it holds an answer (the format reward)
 

@@ -76,6 +76,43 @@ def raw_receiver(host, port, backend, specs, rounds):
     wait(group, work, check)  # the last has arrived, and on NCCL's one stream every one before it
 
 
+class RawBroadcast:
+    """The baseline's sending end: `tensors` broadcast from this process (rank 0) to raw_receiver, spawned
+    with `env` as the generator is, over a two-member group of `backend`, `rounds` times (round())."""
+
+    def __init__(self, ctx, env, backend, tensors, rounds, device):
+        import socket
+        from system.handle import spawn_with_env
+        from system.push import first_collective, init_weight_group
+        from system.ranks import weight_specs
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        specs = weight_specs(dict(enumerate(tensors)))
+        self.proc = spawn_with_env(ctx, env, raw_receiver, ("127.0.0.1", port, backend, specs, rounds))
+        print("  sync: the raw receiver joins", flush=True)  # a stage gpu_check names if its deadline passes here
+        self.group = init_weight_group("127.0.0.1", port, 0, 2, backend)
+        transfer = device if backend == "nccl" else "cpu"
+        first_collective(self.group, transfer, self.receiver_failed)
+        self.send = [t.detach().to(transfer).contiguous() for t in tensors]
+
+    def receiver_failed(self):  # for the waits (it exits 0 once its last receive has arrived)
+        if not self.proc.is_alive() and self.proc.exitcode != 0:
+            raise RuntimeError(f"bench_sync's raw receiver exited (exit code {self.proc.exitcode})")
+
+    def round(self):
+        from system.push import wait
+
+        for t in self.send:
+            work = self.group.broadcast(t, root=0)
+            work.wait()  # gloo: until it has gone out; NCCL: orders the stream after it
+        wait(self.group, work, self.receiver_failed)  # the last has completed (NCCL: and every one before it)
+
+    def close(self):
+        self.proc.join()
+
+
 class MallInfo2:
     """glibc's mallinfo2(), through ctypes (glibc >= 2.33)."""
 
@@ -193,7 +230,6 @@ def guard_cost(tensors, rounds=5):
 
 
 def bench_sync(args):
-    import socket
     import threading
     import json
     import psutil
@@ -201,9 +237,7 @@ def bench_sync(args):
     import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
     import system.handle
-    from system.handle import GeneratorHandle, spawn_with_env
-    from system.push import first_collective, init_weight_group, wait
-    from system.ranks import weight_specs
+    from system.handle import GeneratorHandle
     from system.preflight import engine_plan
     from system.devices import prepare
     from train import parse_config
@@ -267,31 +301,9 @@ def bench_sync(args):
     sd = model.state_dict()
     n_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = spawn_with_env(
-        ctx,
-        env,
-        raw_receiver,  # same device placement as the generator
-        ("127.0.0.1", port, cfg["sync_backend"], weight_specs(sd), args.rounds + 1),
-    )
-    print("  sync: the raw receiver joins", flush=True)  # a stage gpu_check names if its deadline passes here
-
-    def receiver_failed():  # for the waits (it exits 0 once its last receive has arrived)
-        if not proc.is_alive() and proc.exitcode != 0:
-            raise RuntimeError(f"bench_sync's raw receiver exited (exit code {proc.exitcode})")
-
-    group = init_weight_group("127.0.0.1", port, 0, 2, cfg["sync_backend"])
-    transfer = device if cfg["sync_backend"] == "nccl" else "cpu"
-    first_collective(group, transfer, receiver_failed)
-    send = [t.detach().to(transfer).contiguous() for t in sd.values()]
-
-    def raw_broadcast():
-        for t in send:
-            work = group.broadcast(t, root=0)
-            work.wait()  # gloo: until it has gone out; NCCL: orders the stream after it
-        wait(group, work, receiver_failed)  # the last has completed (NCCL: and every one before it, one stream)
+    # the same device placement as the generator; a round for the warm-up and one each of --rounds
+    raw = RawBroadcast(ctx, env, cfg["sync_backend"], list(sd.values()), args.rounds + 1, device)
+    raw_broadcast = raw.round
 
     generator_main = system.handle.generator_main
     system.handle.generator_main = heap_probed_generator  # what GeneratorHandle spawns, for this run
@@ -364,7 +376,7 @@ def bench_sync(args):
         whole.append(watched_push(overlap=False))
     del step_s[0]  # the warm-up's
     gen.stop()
-    proc.join()
+    raw.close()
     mib = lambda b: f"{b / 2**20:+.1f} MiB"
     peaks, kept = [h["peak"] - h["before"] for h in heap], [h["after"] - h["before"] for h in heap]
     kind = "CUDA, torch" if cfg["gen_devices"][0].startswith("cuda") else "malloc, mallinfo2"
@@ -399,11 +411,11 @@ def bench_sync(args):
         f"the raw broadcast; the forward and backward of {args.step_tokens} tokens it overlaps: "
         f"{median_high(step_s):.3f}s"
     )
-    guard_s, ops, kernels = guard_cost(send)
+    guard_s, ops, kernels = guard_cost(raw.send)
     print(
         f"  the guard's checksum (system.push.checksum, each side of a push; the trainer's on a thread of "
-        f"its own): {ops} ops dispatched for {len(send)} tensors "
-        f"({ops / len(send):.1f} a tensor, {kernels} of them kernels), {guard_s:.4f}s alone (median of 5) "
+        f"its own): {ops} ops dispatched for {len(raw.send)} tensors "
+        f"({ops / len(raw.send):.1f} a tensor, {kernels} of them kernels), {guard_s:.4f}s alone (median of 5) "
         f"-> {guard_s / raw_s:.3f}x the raw broadcast"
     )
     print(

@@ -22,6 +22,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTS = dict(
     nccl=False,  # the weight group's collectives as NCCL's on a GPU (NcclGroup), in every process
+    hang_in_connect=False,  # ... whose first collective (NCCL's communicator init) hangs once every rank came
+    first_collective_s=0,  # the trainer's bound on that (system.handle.FIRST_COLLECTIVE_S), if not 0
+    one_communicator=None,  # a file: no trainer-ranks collective beside a pending weight-group work (OneCommunicator)
+    log_posts=None,  # a file: a line per collective each NcclGroup posts ("rank kind")
     stall_at_step=0,  # an engine hangs before its N-th engine step
     stall_at_push=0,  # ... before it joins the push of version V
     stall_in_group=None,  # ... "before" or "after" the weight group's rendezvous (after: before its first collective)
@@ -56,20 +60,26 @@ class NcclGroup:
     - a collective broken by a dead peer never completes (gloo's fails: "Connection closed by peer");
     - a process that exits leaves what it queued undone (gloo's would finish it first: here it ends
       at once, with 1, and its peers' collectives never complete).
-    Only is_completed() says when the bytes are here."""
+    Only is_completed() says when the bytes are here. With `hang`, the first collective hangs once every
+    rank has made it (an NCCL init stuck with every rank present); with `log`, each collective posted is
+    a line there."""
 
-    def __init__(self, group):
+    def __init__(self, group, hang=False, log=None):
         import atexit
         import collections
 
         self.group, self.connected, self.works = group, False, collections.deque()  # works maybe not done
+        self.hang, self.log = hang, log
         atexit.register(self.leave)
 
     def leave(self):
         if any(not w.is_completed() for w in self.works):  # gloo's: still queued or under way
             os._exit(1)
 
-    def track(self, work):
+    def track(self, work, kind):
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{self.group.rank()} {kind}\n")
         while self.works and self.works[0].is_completed():
             self.works.popleft()
         self.works.append(work)
@@ -83,15 +93,17 @@ class NcclGroup:
                 self.group.allreduce(torch.zeros(())).wait()
             except RuntimeError:
                 hang_forever()
+            if self.hang:
+                hang_forever()
             self.connected = True
 
     def broadcast(self, t, root):
         self.connect()
-        return self.track(self.group.broadcast(t, root=root))
+        return self.track(self.group.broadcast(t, root=root), "broadcast")
 
     def allreduce(self, t):
         self.connect()
-        return self.track(self.group.allreduce(t))
+        return self.track(self.group.allreduce(t), "allreduce")
 
     def __getattr__(self, name):  # size(), rank(), abort(): gloo's
         return getattr(self.group, name)
@@ -99,13 +111,19 @@ class NcclGroup:
 
 class NcclWork:
     """A gloo work as NCCL's on a GPU: wait() returns at once, and a collective broken by a dead
-    peer never completes; only is_completed() says when it is done."""
+    peer never completes; only is_completed() says when it is done. `pending`: this process's works
+    not yet seen complete (on a GPU, what may still run on the weight group's communicator)."""
+
+    pending, made = [], 0
 
     def __init__(self, work):
-        self.work = work
+        self.work, self.seen = work, False
+        NcclWork.pending.append(self)
+        NcclWork.made += 1
 
     def is_completed(self):
-        return self.work.is_completed() and self.work.exception() is None
+        self.seen = self.seen or (self.work.is_completed() and self.work.exception() is None)
+        return self.seen
 
     def exception(self):  # None: a broken collective never completes, and nothing asks a work before that
         return None
@@ -114,13 +132,71 @@ class NcclWork:
         return True if timeout is None else self.work.wait(timeout)
 
 
-def nccl_everywhere(setattr=setattr):
-    """Every weight group this process makes is an NcclGroup."""
+class OneCommunicator:
+    """Trainer rank 0's rule on a GPU, checked as it runs: no collective of the trainer ranks' group
+    (FSDP2's gathers and reduce-scatters, DTensor.full_tensor) while a weight-group work is pending
+    (NcclWork.pending): two NCCL communicators busy at once on one device is what NCCL does not support.
+    A TorchDispatchMode sees every collective issued; one that breaks the rule raises there. What it
+    checked is appended to `log` at the end (a check that saw nothing proves nothing)."""
+
+    def __init__(self, log):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        checked = self.checked = [0]
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace in ("c10d", "_c10d_functional") and on_trainer_group(args, kwargs):
+                    NcclWork.pending = [w for w in NcclWork.pending if not w.seen]  # as the trainer knows it
+                    if NcclWork.pending:
+                        raise RuntimeError(
+                            f"{func} on the trainer ranks' group while {len(NcclWork.pending)} weight-group "
+                            "work(s) are pending: two NCCL communicators at once on this device"
+                        )
+                    checked[0] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode, self.log = Mode(), log
+
+    def __enter__(self):
+        self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        with open(self.log, "a") as f:
+            rank = os.environ.get("RANK", "-")
+            f.write(
+                f"{os.getpid()} rank {rank}: {self.checked[0]} trainer-group collectives, {NcclWork.made} "
+                "weight-group works\n"
+            )
+
+
+def on_trainer_group(args, kwargs):
+    """Whether a c10d op's group (a ProcessGroup, or a functional collective's group name) is the default
+    group, torchrun's, on which FSDP2's mesh runs: not the weight group, nor the ranks' gloo group for objects."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.ScriptObject):
+            try:
+                a = dist.ProcessGroup.unbox(a).group_name
+            except RuntimeError:  # a ReduceOp
+                continue
+        if isinstance(a, str) and a == dist.group.WORLD.group_name:
+            return True
+    return False
+
+
+def nccl_everywhere(setattr=setattr, hang=False, log=None):
+    """Every weight group this process makes is an NcclGroup (`hang`, `log`: NcclGroup's)."""
     import system.handle
     import system.push
 
     make = system.push.init_weight_group
-    nccl = functools.wraps(make)(lambda *a, **kw: NcclGroup(make(*a, **kw)))
+    nccl = functools.wraps(make)(lambda *a, **kw: NcclGroup(make(*a, **kw), hang, log))
     setattr(system.push, "init_weight_group", nccl)
     setattr(system.handle, "init_weight_group", nccl)
 
@@ -132,7 +208,9 @@ def install(faults, setattr=setattr):
 
     faults = dict(FAULTS, **faults)
     if faults["nccl"]:
-        nccl_everywhere(setattr)
+        nccl_everywhere(setattr, faults["hang_in_connect"], faults["log_posts"])
+    if faults["first_collective_s"]:
+        setattr(system.handle, "FIRST_COLLECTIVE_S", faults["first_collective_s"])
     if v := faults["die_in_push"]:
         push = system.handle.GeneratorHandle.push
 
@@ -160,7 +238,7 @@ def child(faults, target, *args):
     receiver) as it was spawned."""
     engine = args[0].get("engine") if args and isinstance(args[0], dict) else None
     if faults["nccl"]:
-        nccl_everywhere()
+        nccl_everywhere(hang=faults["hang_in_connect"], log=faults["log_posts"])
     if faults["engine"] is None or engine == faults["engine"]:
         engine_faults(faults)
     return target(*args)
@@ -230,6 +308,9 @@ def parse(flags):
 
     p = argparse.ArgumentParser(prog="tests/faults.py", description="run a program of the project under faults")
     p.add_argument("--nccl", action="store_true", help="the weight group's collectives as NCCL's (NcclGroup)")
+    p.add_argument("--hang-in-connect", action="store_true", help="--nccl's first collective hangs, every rank in")
+    p.add_argument("--first-collective-s", type=float, default=0, help="the trainer's bound on that (if not 0)")
+    p.add_argument("--one-communicator", metavar="LOG", help="check no trainer-ranks collective runs beside a push")
     p.add_argument("--stall-at-step", type=int, default=0, help="an engine hangs before its N-th engine step")
     p.add_argument("--stall-at-push", type=int, default=0, help="an engine hangs before it joins the push of V")
     p.add_argument("--stall-in-group", choices=["before", "after"], help="an engine hangs at the rendezvous")
@@ -242,6 +323,7 @@ def parse(flags):
 
 def main(argv):
     """`flags -- program args`: the program run in this process under the faults, as Python runs it."""
+    import contextlib
     import runpy
     import subprocess
 
@@ -256,7 +338,9 @@ def main(argv):
     subprocess.Popen = Popen
     sys.argv = [program, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(program)))  # as `python program` puts it first
-    runpy.run_path(program, run_name="__main__")
+    faults = parse(flags)
+    with OneCommunicator(faults["one_communicator"]) if faults["one_communicator"] else contextlib.nullcontext():
+        runpy.run_path(program, run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ from system.ranks import weight_specs  # what a push sends first
 from system.watchdog import GeneratorDied, Watchdog
 
 START_TIMEOUT_S = 900  # for the engines to start (a model download, vLLM's warm-up), before the run stops
+# the weight group's first collective, once every engine has come to it: NCCL makes its communicator
+# there (ncclCommInitRank, seconds on one node), so one stuck this long with every rank present is
+# reported now, not after the stall bound (3,102 s at gsm8k's defaults before any engine step)
+FIRST_COLLECTIVE_S = 120
 
 
 def spawn_with_env(ctx, env, target, args, **kw):
@@ -124,12 +128,17 @@ class GeneratorHandle(Watchdog):
         communicator: system.push.first_collective), each watched as wait() watches a push: an
         engine that exits first ends the run with its traceback (died); one alive that has not
         come to the first collective within the stall bound, with its stack (stalled); all of
-        them, if all came and the collective is stuck."""
-        t0, bound = time.time(), self.stall_bound()
+        them, if all came and the collective has not completed FIRST_COLLECTIVE_S later."""
+        t0, bound, all_in = time.time(), self.stall_bound(), []  # all_in: when every engine had come
 
         def check():
             if dead := [i for i, p in enumerate(self.procs) if not p.is_alive()]:
                 self.died(dead[0], " while the weight group formed")
+            if not all_in and all(j.value >= self.version for j in self.joined):
+                all_in.append(time.time())
+            if all_in and time.time() - all_in[0] > FIRST_COLLECTIVE_S:
+                how = "in the weight group's first collective with every engine (NCCL's communicator init)"
+                raise GeneratorDied(self.stop_stalled(FIRST_COLLECTIVE_S, how))
             if time.time() - t0 > bound:
                 late = [i for i in range(self.n) if self.joined[i].value < self.version]
                 raise GeneratorDied(self.stop_stalled(bound, "not in the weight group", late or None))

@@ -570,6 +570,33 @@ def test_an_engine_that_never_joins_the_weight_group_is_stopped(tmp_path, where,
     assert not session_left(proc.pid)
 
 
+def test_a_first_collective_stuck_with_every_engine_in_it_is_reported_within_its_bound(tmp_path):
+    """NCCL's communicator init stuck with every rank present (tests/faults.py: the NCCL-semantics group's
+    first collective hangs once every rank has made it): the trainer stops the engine with its stack
+    FIRST_COLLECTIVE_S after the engine came to it (5 s here; 120 s by default), not after the stall
+    bound (400 s here; 3,102 s at gsm8k's defaults, before any engine step has been measured)."""
+    proc = start_train(
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "3",
+        "--stall-s",
+        "400",
+        *SMALL,
+        faults=["--nccl", "--hang-in-connect", "--first-collective-s", "5"],
+    )
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:  # the stall bound's wait (before) would outlast this test: stop it, and every process it started
+        if session_left(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, (out[-2000:], err[-3000:])
+    said = "generator stalled: alive but in the weight group's first collective with every engine"
+    assert f"{said} (NCCL's communicator init) for 5s" in err and "in hang_forever" in err, err[-3000:]
+    time.sleep(1)
+    assert not session_left(proc.pid)
+
+
 def test_an_engine_that_dies_in_the_weight_group_is_named(tmp_path):
     """The engine killed (-9) after the weight group's rendezvous, before its first collective, under the
     NCCL-semantics group (the trainer's first collective, which makes the communicator, would wait for it

@@ -114,14 +114,19 @@ class GeneratorHandle(Watchdog):
         self.pending = None  # the push in flight: (done, finish, its watchdog, specs) (push with wait=False)
         self.broke = False  # a push broke (push_broke): engines still in it wait on a dead peer
         infos = {}
-        while len(infos) < self.n:
-            if (msg := self.get(timeout=START_TIMEOUT_S)) is None:
-                self.stalled(START_TIMEOUT_S, [i for i in range(self.n) if i not in infos])
-            assert msg[0] == "engine_ready", msg[0]
-            infos[msg[1]["engine"]] = msg[1]
-        # the KV cache's size (preflight.check_kv_plan): the smallest engine's
-        self.engine_info = min(infos.values(), key=lambda info: info["admit_at_once"])
-        self.group = self.form_group(listen)
+        try:
+            while len(infos) < self.n:
+                if (msg := self.get(timeout=START_TIMEOUT_S)) is None:
+                    self.stalled(START_TIMEOUT_S, [i for i in range(self.n) if i not in infos])
+                assert msg[0] == "engine_ready", msg[0]
+                infos[msg[1]["engine"]] = msg[1]
+            # the KV cache's size (preflight.check_kv_plan): the smallest engine's
+            self.engine_info = min(infos.values(), key=lambda info: info["admit_at_once"])
+            self.group = self.form_group(listen)
+        except BaseException:  # no handle for the caller to stop: the engines left alive are stopped here,
+            self.broke = True  # at once (one may wait in a collective and read no "stop"), before the report,
+            self.stop()  # which they would otherwise follow with "the trainer is gone" once this process exits
+            raise
 
     def form_group(self, listen):
         """The weight group, its rendezvous and its first collective (where NCCL makes its

@@ -62,6 +62,14 @@ TORCHRUN_ENV = (
 )
 
 
+def trainer_ranks():
+    """The trainer ranks in this process's default group (torchrun's: FSDP2's collectives); 1 without one.
+    The weight group, made by vLLM's stateless helper, is not it."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 class GeneratorHandle(Watchdog):
     """Trainer side: spawns the generator engines (one by default), pushes weights to
     all of them at once, receives their samples and events on one queue, and turns any
@@ -245,11 +253,14 @@ class GeneratorHandle(Watchdog):
         loads them before its next engine step. A push not acknowledged within
         stall_bound() seconds means a stuck engine: a watchdog thread stops the engines that
         never joined it (push_stalled), which breaks the broadcast, and the stall report,
-        naming them, is raised. Returns the new version."""
+        naming them, is raised. Returns the new version. With several trainer ranks it settles here
+        whatever `wait` says: the next step's FSDP2 collectives would run beside this push's broadcasts
+        on rank 0's GPU, two NCCL communicators busy at once, which NCCL does not support."""
         import threading
 
         if tensors is None:
             specs, tensors = weight_specs(specs), specs.values()
+        several = trainer_ranks() > 1  # each tensor is gathered over the ranks' group as it is taken
         self.settle()
         timeout = self.stall_bound()
         self.version += 1
@@ -266,13 +277,14 @@ class GeneratorHandle(Watchdog):
                     self.transfer_device,
                     self.check_engines,
                     self.send_budget,
+                    serial=several,
                 ),
                 watchdog,
                 specs,
             )
         except RuntimeError as e:
             self.push_broke(watchdog, e)
-        if wait:
+        if wait or several:
             self.settle()
         return self.version
 

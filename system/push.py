@@ -137,7 +137,7 @@ def checksum(t):
     return words.view(2, -1).sum(1, dtype=torch.int32)
 
 
-def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
+def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES, serial=False):
     """Once every engine has joined the push (an allreduce: it completes when the last
     one arrives; drain's wait, which this holds the trainer for), post a broadcast of every
     tensor from rank 0 and the acknowledgement (an allreduce of the versions the workers
@@ -150,7 +150,8 @@ def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
     (raises when a peer is gone). Returns (done, finish): done() says whether the ack is in,
     finish() waits for it and returns (the ack: the versions and the checksums of what
     arrived, summed over the engines; the checksum of what was sent; the positions of the
-    tensors that changed while the push was in flight).
+    tensors that changed while the push was in flight). With `serial` (several trainer ranks), each
+    broadcast is waited for before the next tensor is taken, which gathers it over the trainer ranks' group.
 
     Every tensor sent must stay unchanged until finish(): with one trainer rank and the
     generator's dtype they are the parameters themselves, which the next optimizer step
@@ -183,21 +184,28 @@ def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES):
 
     reader = threading.Thread(target=read_all, name="push-checksum", daemon=True)
     reader.start()
+
+    def room(size):  # until `size` more bytes fit the budget: the oldest gone out, and read
+        nonlocal held
+        while works and held + size > budget:
+            wait(group, works[0][1], check)
+            while not read.acquire(timeout=1):  # the reader reads in posting order
+                if not reader.is_alive():
+                    raise RuntimeError("the push's checksum thread stopped")
+            held -= works.popleft()[0]  # the work let go, and its tensor with it
+
     try:
         for i, t in enumerate(tensors):
             t = t.to(device).contiguous()
             size = t.numel() * t.element_size()
-            while works and held + size > budget:  # room: the oldest gone out, and read
-                wait(group, works[0][1], check)
-                while not read.acquire(timeout=1):  # the reader reads in posting order
-                    if not reader.is_alive():
-                        raise RuntimeError("the push's checksum thread stopped")
-                held -= works.popleft()[0]  # the work let go, and its tensor with it
+            room(size)
             if shared(t):
                 posted.append((i, t, t._version))
             works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
             to_read.put(t)
             held += size
+            if serial:  # the next tensor's gather runs on the trainer ranks' NCCL communicator, and NCCL does
+                room(math.inf)  # not support two busy at once on one device (rank 0's): this one done first
     finally:
         to_read.put(None)  # the reader ends: on an error too
     ack = torch.zeros(3, dtype=torch.int64, device=device)  # each engine adds its version and checksums

@@ -14,8 +14,9 @@ With one process every method here is a no-op or the identity. With K ranks:
   (set_gradient_divide_factor(1), as torchtitan): the gradient does not depend on K.
 - FSDP2's gathers are collectives: every rank runs as many micro-batches as the busiest.
 - The push: every rank gathers each tensor in the same order (DTensor.full_tensor()); rank 0
-  broadcasts it after its gather has completed (interleaving the two groups' collectives
-  deadlocks NCCL past two ranks: TRL issues 6797 and 7103).
+  broadcasts it, and waits for that broadcast before the next gather, and for the whole push
+  before the next step: two NCCL communicators busy at once on rank 0's GPU is what NCCL does not
+  support (interleaved, they deadlocked NCCL past two ranks: TRL issues 6797 and 7103).
 - Checkpoints: rank 0 writes the Hugging Face directory; the optimizer's shards go to
   ckpt/optimizer/ with torch.distributed.checkpoint, which reshards on load, so --resume works
   at any number of ranks (not across 1 and K > 1).
@@ -174,7 +175,9 @@ class Ranks:
         whole model."""
         state = model.state_dict()  # DTensors under FSDP2: their shapes are the full ones
 
-        def tensors():  # a DTensor is all-gathered (complete when full_tensor returns), and held by the push alone
+        # a DTensor is all-gathered (on NCCL full_tensor returns once the gather is queued; the stream orders
+        # the broadcast after it, and send_weights(serial) the next gather after the broadcast), held by the push alone
+        def tensors():
             for t in state.values():
                 yield (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype)
 

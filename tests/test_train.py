@@ -297,18 +297,23 @@ def test_gpu_check_on_cpu(tmp_path):
     their deadline, with every weight group's collectives as NCCL's on a GPU (tests/faults.py
     --nccl, in every process: the first collective blocks until every rank has made one, wait()
     returns at once; bench_sync's raw receiver left once its receives were queued, and its
-    trainer's last round waited for ever). That regime's run directory
+    trainer's last round waited for ever; and trainer rank 0 issues no collective of the ranks' group while
+    a weight-group work is pending: NCCL does not support two communicators busy at once on one GPU;
+    tests/faults.py --one-communicator). That regime's run directory
     is then checked as test_smoke.py checks a run (tests/helpers.py's check_run): train.py
     end to end with 2 ranks and 2 engines (the other regimes and a resume under torchrun:
     test_smoke.py, tests/test_ranks.py). Its checks' tensor code on faked devices:
     tests/test_gpu_check.py."""
     from helpers import check_run
 
+    one = tmp_path / "one-communicator.log"
     r = subprocess.run(
         [
             sys.executable,
             os.path.join(ROOT, "tests", "faults.py"),
             "--nccl",
+            "--one-communicator",  # in every process: no trainer-ranks collective beside a pending weight-group work
+            str(one),
             "--",
             os.path.join(ROOT, "tools", "gpu_check.py"),
             "--model",
@@ -341,6 +346,9 @@ def test_gpu_check_on_cpu(tmp_path):
     push = next(x for x in r.stdout.splitlines() if x.startswith("[PASS] push vs raw broadcast: the trainer blocked"))
     assert re.search(r"-> \d+\.\d\dx \(printed, not a target here\); push memory", push), push
     assert "live peak" in push and "the plan's" in push  # memory within its plan is still checked
+    # checked where it applies: trainer rank 0, collectives of both groups (a line a process)
+    checked = [re.search(r"rank (\S+): (\d+) trainer-group collectives, (\d+) weight-group", x) for x in one.open()]
+    assert any(m[1] == "0" and int(m[2]) and int(m[3]) for m in checked), one.read_text()
     run = tmp_path / "out" / "gpu_check" / "stale"
     check_run(str(run), "stale", steps=3)
     assert os.path.isdir(run / "ckpt" / "optimizer")  # the ranks' optimizer shards

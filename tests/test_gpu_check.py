@@ -167,6 +167,46 @@ def test_a_push_holds_what_the_plan_says(name):
     assert peak[0] == total if total <= PUSH_SEND_BYTES else peak[0] > PUSH_SEND_BYTES
 
 
+def test_the_raw_receiver_posts_a_round_only_once_it_is_sent(tmp_path, monkeypatch):
+    """Check 3's baseline (bench_sync.RawBroadcast), its weight group as NCCL's on a GPU (tests/faults.py):
+    there each receive posted is a kernel spinning on GPU 0, beside the engine, until its bytes come, and
+    every push measured against the baseline shared the GPU with them. Posted while nothing has been sent:
+    at most one round's receives (before: all 4 rounds' at start, 20 of 4 x 5); each round's, once sent;
+    the receiver then exits 0."""
+    import time
+    import torch.multiprocessing as mp
+    from faults import install
+    from tools.bench_sync import RawBroadcast
+
+    log = tmp_path / "posts"
+    install(dict(nccl=True, log_posts=str(log)), monkeypatch.setattr)
+    tensors = [torch.randn(1000 * (1 + i)) for i in range(5)]
+    posted = lambda: sum(line.split() == ["1", "broadcast"] for line in open(log)) if log.exists() else 0  # receives
+    raw = RawBroadcast(mp.get_context("spawn"), {}, "gloo", tensors, 4, "cpu")
+    try:
+        time.sleep(2)  # nothing sent
+        assert posted() <= len(tensors), f"{posted()} receives posted before anything was sent"
+        for _ in range(4):
+            raw.round()
+    finally:
+        raw.proc.join(60)
+        raw.proc.kill()
+    assert raw.proc.exitcode == 0 and posted() == 4 * len(tensors)
+
+
+def test_check_3s_bound_says_what_it_is_and_why():
+    """Check 3's default bound: 1.2x the raw broadcast + 0.3 ms a tensor, said in words. docs/gpu.md's
+    estimate of a healthy NVLink pair for Qwen3-0.6B (a raw broadcast of ~15 ms, vLLM's reload ~0.1 ms
+    a tensor for 311 tensors: ~45 ms, 3x) passes it, where bench_sync's 1.2x would fail it; a push that
+    waited a millisecond a tensor (as the engine's waits once did) fails it over PCIe and NVLink."""
+    ok, said = gpu_check.push_bound(None, 0.045, 0.015, 311)
+    assert ok and said.startswith("bound 0.1113s: 1.2x the raw broadcast + 0.3 ms x 311 tensors, as vLLM reloads")
+    assert not gpu_check.push_bound(1.2, 0.045, 0.015, 311)[0]
+    for raw in (0.015, 0.07):
+        assert not gpu_check.push_bound(None, raw + 0.311, raw, 311)[0]
+    assert gpu_check.push_bound(float("inf"), 9.0, 0.015, 311) == (True, "not checked (--sync-target inf)")
+
+
 def test_a_program_that_misses_its_deadline_is_stopped_and_named():
     """Checks 2 and 3 run train.py and bench_sync.py through run_program: one still running at its
     deadline is stopped with every process of its session (here a child holding its stdout, as an

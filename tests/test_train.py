@@ -344,7 +344,7 @@ def test_gpu_check_on_cpu(tmp_path):
     assert r.stdout.count("[PASS]") == 4 and "4/4 checks passed" in r.stdout
     assert "[PASS] devices: generator cpu, cpu; trainer ranks cpu, cpu" in r.stdout
     push = next(x for x in r.stdout.splitlines() if x.startswith("[PASS] push vs raw broadcast: the trainer blocked"))
-    assert re.search(r"-> \d+\.\d\dx \(printed, not a target here\); push memory", push), push
+    assert re.search(r"-> \d+\.\d\dx; not checked \(--sync-target inf\); push memory", push), push
     assert "live peak" in push and "the plan's" in push  # memory within its plan is still checked
     # checked where it applies: trainer rank 0, collectives of both groups (a line a process)
     checked = [re.search(r"rank (\S+): (\d+) trainer-group collectives, (\d+) weight-group", x) for x in one.open()]

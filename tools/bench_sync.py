@@ -45,15 +45,17 @@ from system.preflight import PUSH_AHEAD_BYTES  # noqa: E402  (imports neither to
 # (system.push.WeightReceiver), so the trainer waits for the load only where the engine falls
 # that far behind: 0.9x a raw broadcast when the engine received everything into a copy it
 # kept; 1.75-2.3x when it received each tensor only once the loader had loaded the previous
-# one (lab/archive.md, "Receive buffers"); 1.59x with 64 MiB ahead ("Run-ahead receive")
+# one (lab/archive.md, "Receive buffers"); 1.59x with 64 MiB ahead ("Run-ahead receive").
+# The design's target; gpu_check holds a machine to a bound it expects a healthy one to meet (push_bound)
 SYNC_TARGET, GENERATE_TARGET = 1.2, 0.95
 
 
-def raw_receiver(host, port, backend, specs, rounds):
-    """The baseline's receiving end: join a two-member group and receive, nothing else.
-    On CPU it keeps to the cores the generator gets, as vLLM's worker does. It returns once
-    the last broadcast has arrived: on NCCL, wait() returns once a receive is queued, and a
-    process that left then would leave the trainer's last round waiting for ever."""
+def raw_receiver(host, port, backend, specs, rounds, go):
+    """The baseline's receiving end: join a two-member group and receive, nothing else: a round's
+    receives posted once the trainer says it sends them (`go`, a semaphore released per round), and
+    all of them arrived before the next (on NCCL a posted receive is a kernel spinning on the GPU,
+    beside the engine, until its bytes come: none may wait through a push). On CPU it keeps to the
+    cores the generator gets, as vLLM's worker does. It returns once its last round has arrived."""
     import torch
     from system.push import first_collective, init_weight_group, wait
     from system.generator import keep_to_gen_cores
@@ -70,10 +72,11 @@ def raw_receiver(host, port, backend, specs, rounds):
     first_collective(group, device, check)  # NCCL's communicator (system.push.first_collective)
     buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, dtype, shape in specs]
     for _ in range(rounds):  # into the same buffers each round, as the generator's worker does
-        for t in buffers:
-            work = group.broadcast(t, root=0)
-            work.wait()  # gloo: until it has arrived; NCCL: orders the stream after it
-    wait(group, work, check)  # the last has arrived, and on NCCL's one stream every one before it
+        while not go.acquire(timeout=0.01):
+            check()
+        works = [group.broadcast(t, root=0) for t in buffers]
+        for work in works:  # the CPU waits until each has arrived (on NCCL wait() alone only orders the stream)
+            wait(group, work, check)
 
 
 class RawBroadcast:
@@ -90,7 +93,8 @@ class RawBroadcast:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         specs = weight_specs(dict(enumerate(tensors)))
-        self.proc = spawn_with_env(ctx, env, raw_receiver, ("127.0.0.1", port, backend, specs, rounds))
+        self.go = ctx.Semaphore(0)  # a round's receives are posted once this process sends it (raw_receiver)
+        self.proc = spawn_with_env(ctx, env, raw_receiver, ("127.0.0.1", port, backend, specs, rounds, self.go))
         print("  sync: the raw receiver joins", flush=True)  # a stage gpu_check names if its deadline passes here
         self.group = init_weight_group("127.0.0.1", port, 0, 2, backend)
         transfer = device if backend == "nccl" else "cpu"
@@ -104,6 +108,7 @@ class RawBroadcast:
     def round(self):
         from system.push import wait
 
+        self.go.release()
         for t in self.send:
             work = self.group.broadcast(t, root=0)
             work.wait()  # gloo: until it has gone out; NCCL: orders the stream after it
@@ -420,7 +425,7 @@ def bench_sync(args):
     )
     print(
         f"weight sync ({n_bytes / 2**20:.0f} MiB, {len(sd)} tensors, {cfg['sync_backend']}): "
-        f"the trainer blocked {push_s:.3f}s by a push vs {raw_s:.3f}s by a raw broadcast (medians of {args.rounds}) "
+        f"the trainer blocked {push_s:.4f}s by a push vs {raw_s:.4f}s by a raw broadcast (medians of {args.rounds}) "
         f"-> {push_s / raw_s:.2f}x "
         + (f"(target <= {args.sync_target}x)" if args.sync_target != float("inf") else "(printed, not a target here)")
     )

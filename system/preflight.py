@@ -97,12 +97,20 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     layer = 4 * H + 2 * q + 2 * kv + 4 * I  # one layer's intermediates per token (elements)
     on_gpu = cfg["trainer_device"].startswith("cuda")
     b = 2 if on_gpu else 4  # bytes of an intermediate: bf16 under autocast on a GPU, float32 on CPU
+    # HF's q_norm and k_norm multiply by their float32 weights (autocast leaves mul alone): q and k leave
+    # them float32, whatever b
+    layer_bytes = b * layer + (4 - b) * (q + kv)
     # checkpointed (train.py --grad-checkpointing; auto: on a GPU): float32 layer inputs + one layer's
     # intermediates and their gradients; else every layer's intermediates
-    per_token = 4 * H * L + 2 * b * layer if cfg.get("checkpointing", on_gpu) else b * layer * L
+    per_token = 4 * H * L + 2 * layer_bytes if cfg.get("checkpointing", on_gpu) else layer_bytes * L
     plan = {"weights + grads (fp32)": 8 * n_params // world, "AdamW moments (fp32)": 8 * n_params // world}
     if world > 1:
         plan["FSDP2 gathered layers (fp32)"] = 2 * 4 * layer_params
+    if on_gpu:  # autocast keeps the bf16 cast of every weight a matmul reads until its region ends (a
+        # micro-batch's forward): every layer's, also under FSDP2, whose gathered weights it casts (the whole
+        # model on each rank), and the head's, read by the model's own one position of logits (logits_to_keep=1)
+        linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        plan["autocast's weight copies (bf16)"] = 2 * sum(p.numel() for m in linear for p in m.parameters())
     return {
         **plan,
         **push_plan(model.state_dict(), on_gpu, world, cfg.get("sync_backend", "nccl")),

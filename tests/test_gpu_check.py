@@ -107,6 +107,52 @@ def test_memory_plan_counts_what_a_push_holds():
     assert plan[copies] == PUSH_SEND_BYTES + 2 * 151936 * 2560 and plan[gather] == 4 * 151936 * 2560
 
 
+def test_the_plan_counts_the_weight_copies_autocast_keeps():
+    """Under autocast the bf16 cast of every weight a matmul reads is kept until the autocast region ends
+    (a micro-batch's forward in grpo.train_step): on a GPU the plan counts them, every Linear's, the head's
+    too (the model's own one position of logits reads it; the chunks' matmuls run in float32): Qwen3-0.6B
+    595,984,384 x 2 B (1.11 GiB), Qwen3-4B 4,022,272,000 x 2 B (7.49 GiB), on each rank under FSDP2 too (it
+    casts the gathered weights); none on CPU. The probe: grpo.answer_logprobs under CPU bf16 autocast, as
+    train_step runs it, every cast of a parameter seen (a dispatch mode): each Linear's weight is cast once
+    and its copy still held at the region's end, then let go; their bytes are the plan's item."""
+    import gc
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from grpo import LOGIT_CHUNK_BYTES, answer_logprobs
+    from helpers import batch_of, small_model
+    from system.preflight import memory_plan
+
+    item = "autocast's weight copies (bf16)"
+    gpu = dict(trainer_device="cuda:0", micro_batch_tokens=16384)
+    for name, n in [("Qwen3-0.6B", 595_984_384), ("Qwen3-4B", 4_022_272_000)]:
+        config, _ = meta_model(**QWEN3[name])
+        assert [memory_plan(gpu, config, LOGIT_CHUNK_BYTES, k)[item] for k in (1, 2)] == [2 * n, 2 * n]
+    assert item not in memory_plan(dict(gpu, trainer_device="cpu"), config, LOGIT_CHUNK_BYTES)
+
+    model = small_model()
+    params = {p.data_ptr(): name for name, p in model.named_parameters()}
+    casts = []  # (the parameter's name, a weak reference to its bf16 copy)
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in params:
+                casts.append((params[args[0].data_ptr()], weakref.ref(out)))
+            return out
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Casts():
+        answer_logprobs(model, batch_of([5, 9]), 1.0, "cpu")
+        held = [name for name, copy in casts if copy() is not None]
+    gc.collect()
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the tied head's is the embedding
+    assert sorted(held) == sorted(name for name, _ in casts) == sorted(params[m.weight.data_ptr()] for m in linear), (
+        "a weight cast more or less than once, or its copy not held to the region's end"
+    )
+    assert all(copy() is None for _, copy in casts)  # let go as the region ends
+    bytes_ = 2 * sum(m.weight.numel() for m in linear)
+    assert memory_plan(gpu, model.config, LOGIT_CHUNK_BYTES)[item] == bytes_
+
+
 class HeldWork:
     """A broadcast's work as NCCL's: it holds its tensor until it is let go, and is done whenever
     asked (the trainer waits for none it need not)."""

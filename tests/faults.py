@@ -224,6 +224,13 @@ def install(faults, setattr=setattr):
             return push(self, specs, tensors, rejected, wait)
 
         setattr(system.handle.GeneratorHandle, "push", dying_push)
+    carry(faults, setattr)
+
+
+def carry(faults, setattr=setattr):
+    """Every process this one spawns (system.handle.spawn_with_env) runs under `faults` (child)."""
+    import system.handle
+
     spawn = system.handle.spawn_with_env
 
     def spawn_with_faults(ctx, env, target, args, **kw):  # functools.partial pickles: the child unpickles it
@@ -239,6 +246,7 @@ def child(faults, target, *args):
     engine = args[0].get("engine") if args and isinstance(args[0], dict) else None
     if faults["nccl"]:
         nccl_everywhere(hang=faults["hang_in_connect"], log=faults["log_posts"])
+    carry(faults)  # and what it spawns in turn (gpu_check's check 1, in a process of its own, spawns the engines)
     if faults["engine"] is None or engine == faults["engine"]:
         engine_faults(faults)
     return target(*args)

@@ -253,6 +253,40 @@ def test_check_3s_bound_says_what_it_is_and_why():
     assert gpu_check.push_bound(float("inf"), 9.0, 0.015, 311) == (True, "not checked (--sync-target inf)")
 
 
+STUCK = None  # check 1's stand-in: a thread that never ends (an Event never set), and what it held
+
+
+def a_sync_check_that_leaves_a_thread(args):
+    """Check 1 as it may end on a GPU: passed, its memory held (a model), a thread still in NCCL's
+    communicator init (it never returns, and Python's exit would wait for it: not a daemon)."""
+    import threading
+
+    global STUCK
+    STUCK = threading.Event(), torch.zeros(2**20)
+    threading.Thread(target=STUCK[0].wait, name="weight-group-first").start()
+    return True, "synced"
+
+
+def test_check_1_leaves_nothing_in_gpu_checks_process(monkeypatch, capsys):
+    """gpu_check's check 1 (the sync check: the trainer's model, a weight group, vLLM engines) runs in a
+    process of its own that ends with os._exit: what it leaves, its model and CUDA memory, and a thread
+    that may still be in NCCL's init, goes with it, not into the checks after it. A stand-in for check 1
+    holds memory and leaves such a thread (the other checks stand in too: they run programs, the whole
+    of gpu_check runs in test_train.py): it passes, and gpu_check's process holds neither (before: both)."""
+    import threading
+
+    monkeypatch.setattr(gpu_check, "check_devices", lambda args: (True, "a layout"))
+    monkeypatch.setattr(gpu_check, "check_sync", a_sync_check_that_leaves_a_thread)
+    monkeypatch.setattr(gpu_check, "check_regime", lambda args, regime: (True, "a run"))
+    try:
+        assert gpu_check.main(["--model", "tiny", "--dataset", "synth", "--regimes", "stale", "--skip-bench"])
+        assert "[PASS] sync: synced" in capsys.readouterr().out
+        assert STUCK is None and "weight-group-first" not in [t.name for t in threading.enumerate()]
+    finally:
+        if STUCK is not None:  # before: it ran here; let its thread end
+            STUCK[0].set()
+
+
 def test_a_program_that_misses_its_deadline_is_stopped_and_named():
     """Checks 2 and 3 run train.py and bench_sync.py through run_program: one still running at its
     deadline is stopped with every process of its session (here a child holding its stdout, as an

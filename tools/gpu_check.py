@@ -22,8 +22,8 @@ experiment the way the CPU tests say it does? One screen, pass/fail per check.
    generation and training tokens/s, the trainer's peak memory, vLLM's KV.
 3. a weight push against a raw broadcast of the same bytes, and the memory it holds in
    the engine against its plan (bench_sync.py --only sync; --bench-rounds, 5: their medians).
-Checks 2 and 3 run programs: each has --deadline-s (20 min), past which it is stopped and its
-check fails with the last line it printed (the stage it was in).
+Checks 1-3 run in processes of their own (check 1: own_process; 2 and 3: programs), each stopped past
+--deadline-s (20 min), its check failed (a program's with the last line it printed: the stage it was in).
 It needs nothing from this repository beyond the code.
 """
 
@@ -288,6 +288,52 @@ def push_bound(target, push_s, raw_s, tensors):
     )
 
 
+def own_process(fn, *args, deadline_s):
+    """fn(*args), a check, in a process of its own (spawned as the trainer spawns: system.handle), for
+    what it leaves: check 1's model and CUDA memory, its weight group's NCCL communicator, and a thread
+    that may still be in NCCL's init (a check that failed there) all go with that process, which ends
+    with os._exit (the interpreter's teardown around such a thread may hang or abort), and the next
+    checks' programs find the GPUs as check 0 did. Stopped with its session (its engines) after
+    `deadline_s`. Returns fn's (ok, detail)."""
+    import multiprocessing
+    from system.handle import spawn_with_env
+
+    ctx = multiprocessing.get_context("spawn")
+    results, mine = ctx.Pipe(duplex=False)
+    proc = spawn_with_env(ctx, {}, alone, (mine, fn, *args))
+    mine.close()
+    try:
+        if not results.poll(deadline_s):
+            return False, f"still running after {deadline_s:.0f} s (--deadline-s), stopped"
+        return results.recv()
+    except EOFError:  # it ended without a word
+        proc.join(5)
+        return False, f"its process ended without a result (exit code {proc.exitcode})"
+    finally:
+        proc.join(10)  # it exits at once after its result
+        if proc.is_alive():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.join()
+
+
+def alone(results, fn, *args):
+    """own_process's child: fn(*args) in a session of its own (the engines it starts join it), its
+    (ok, detail) sent back, then out at once (os._exit)."""
+    os.setsid()
+    try:
+        result = fn(*args)
+    except Exception as e:  # a check that crashes has failed
+        result = False, crashed(e)
+    results.send(result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def crashed(e):
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
 def run_program(cmd, deadline_s):
     """cmd (train.py, bench_sync.py) to its end, or killed with every process of its session once
     `deadline_s` seconds have passed: a program that hangs (on NCCL a dead peer hangs a collective
@@ -329,7 +375,7 @@ def main(argv=None):
         "--deadline-s",
         type=float,
         default=1200,
-        help="checks 2 and 3: seconds each train.py or bench_sync.py run may take before it is stopped and fails",
+        help="checks 1-3: seconds each check's process may take before it is stopped and fails",
     )
     p.add_argument(
         "--sync-target",
@@ -347,14 +393,14 @@ def main(argv=None):
         try:
             ok, detail = fn(*a)
         except Exception as e:  # a check that crashes has failed; the others still run
-            ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        finally:  # devices.prepare (check 1) keeps this process to the trainer's cores: give the next
-            os.sched_setaffinity(0, cores)  # check's train.py and bench_sync.py the whole machine again
+            ok, detail = False, crashed(e)
+        finally:  # a check that called devices.prepare kept this process to the trainer's cores: give the
+            os.sched_setaffinity(0, cores)  # next check's train.py and bench_sync.py the whole machine again
         results.append(ok)
         print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
 
     report("devices", check_devices, args)
-    report("sync", check_sync, args)
+    report("sync", lambda: own_process(check_sync, args, deadline_s=args.deadline_s))
     for regime in args.regimes:
         report(f"regime {regime}", check_regime, args, regime)
     if not args.skip_bench:

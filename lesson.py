@@ -6,18 +6,11 @@ The whole asynchronous GRPO loop in one process, on a simulated clock. Read it a
     python lesson.py --preset long --regime stale         # long answers: stale tokens appear
     python plot.py --answers out/lesson-stale-long-s0     # one weight switch, answer by answer
 
-Two workers share one timeline. The generator (engine.Generator: a vLLM engine stepped one decode
-step at a time) writes GRPO groups of answers; the trainer takes a step's groups from the pool
-(pool.Pool), scores them, takes an optimizer step (grpo.step) and pushes the new weights; the
-regime (regimes.py) decides what happens to the answers half-written when they land. train.py
-runs the same classes in two processes at once; here one process plays both in turn, and what
-each piece of work costs is counted, not measured (SimClock): an engine step by what it holds,
-a trainer step by the tokens it runs through the model, a load. So a run is a pure function of
-its flags and seed (on one processor, at one thread count): every number that depends on timing
-(stale tokens, lag, idle time) is the same on every run. The default costs were fitted to
-train.py's own runs by tools/clock_costs.py, and lab/fidelity.py checks the lesson against those
-runs regime by regime (lab/RESULTS.md); fit yours to one run of your machines the same way.
-Times in the log are simulated seconds.
+The generator (engine.Generator, vLLM stepped one decode step at a time) writes answers, the trainer
+takes a step's groups from the pool (pool.Pool) and trains (grpo.step), and the regime (regimes.py)
+decides what happens to the answers half-written when its weights land. train.py runs the same pieces
+in two processes at once; here one process plays both in turn, and each piece of work's time is
+counted, not measured (SimClock), so a run is a pure function of its flags and seed.
 """
 
 import argparse
@@ -83,7 +76,9 @@ def parse_config(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=config.Help)
     config.add_flags(p, "lesson")  # train.py's flags, defaults and presets, where they apply
     # fmt: off
-    config.add_table(p, [  # the clock's costs, simulated seconds: tools/clock_costs.py on train.py's runs (docstring)
+    # the clock's costs, simulated seconds: fitted to train.py's own runs by tools/clock_costs.py and checked
+    # against them regime by regime by lab/fidelity.py; fit yours to one run of your machines the same way
+    config.add_table(p, [
         ("step-s",    float, 2.69e-3, "an engine step"),
         ("answer-s",  float, 7.42e-5, "... plus this per answer the engine holds"),
         ("kv-s",      float, 2.97e-7, "... plus this per token in their KV cache"),

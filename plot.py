@@ -6,16 +6,9 @@ Plots of a run (or several, to compare regimes), drawn from its run directory.
     python plot.py --answers RUN_sync RUN_drain RUN_discard RUN_stale RUN_recompute --out regimes.png
     python plot.py --curves out/stress/holds/stale_*-s* --out curves.png   # learning curves, seeds pooled
 
-The curves figure (metrics.jsonl): runs whose names differ only in a trailing -s<seed> are one
-line, the mean over seeds with a band from the lowest to the highest: pass@1 against the step and
-against (simulated or wall-clock) seconds, the batch's reward, and how off-policy its trained
-tokens were (grpo.offpolicy_metrics: ess, clipped share, k3 estimate of KL(mu || pi)).
-
-The answers figure (answers.jsonl + events.jsonl): a lane per answer, x = seconds. Each token at
-the engine step that sampled it, coloured by the version that sampled it; hatched where it read
-stale KV; faded and crossed where discard threw it away; a black block where recompute rebuilt its
-KV; dotted while it waited in the pool; a red band at each weight load; under the answers, the
-trainer's and the generator's lanes. Which answers get a lane: select_answers says.
+The curves figure pools runs whose names differ only in a trailing -s<seed> (plot_curves); the
+answers figure draws a lane per answer, each token coloured by the version that sampled it
+(draw_answers says how each mark reads).
 """
 
 import argparse
@@ -173,6 +166,10 @@ def select_answers(run, window=None, lanes=24, engine=None):
 def draw_answers(ax, pax, sel):
     """One panel: answer lanes on ax, the two process lanes on pax. Returns the set
     of versions drawn (for the legend)."""
+    # a lane per answer, x = seconds: each token at the engine step that sampled it, coloured by the
+    # version that sampled it; hatched where it read stale KV; faded and crossed where discard threw it
+    # away; a black block where recompute rebuilt its KV; dotted while it waited in the pool; a red band
+    # at each weight load
     x0, n = sel["x0"], len(sel["answers"])
     versions = set()
     for lane, a in enumerate(sel["answers"]):
@@ -330,7 +327,9 @@ def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
 
 
 def plot_curves(groups, out, title=""):
-    """groups: {label: [run directories, one per seed]} -> the curves figure at `out` (see the docstring)."""
+    """groups: {label: [run directories, one per seed]} -> the curves figure at `out`: per label the mean
+    over seeds with a band from the lowest to the highest, of pass@1 against the step and against seconds,
+    the batch's reward, and how off-policy its trained tokens were (grpo.offpolicy_metrics)."""
     import matplotlib
 
     matplotlib.use("Agg")

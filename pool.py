@@ -1,24 +1,11 @@
 """
 The trainer's pool: finished answers gather into GRPO groups, and each step takes
 --prompts-per-step whole groups (Pool). Which groups, and which are dropped, is the
-pool policy.
+pool policy: `fifo` drops nothing; `pace` is our reading of PACE's abstract
+(docs/course.md, "PACE, as we read it"), dropping the stalest groups when the pool
+holds more than a target.
 
-Groups are consumed in admission order: a step takes the oldest groups not yet taken,
-and waits for one whose answers are still being written rather than let later groups
-overtake it. That is what makes --max-lag a bound: the generator admits group g only
-once g < (versions loaded + max_lag + 1) x prompts_per_step (engine.Generator.may_admit),
-so taken in order, g is trained at most max_lag versions after the weights that started
-it. A group the pool rejected leaves its place to a new one (each push tells the
-generator how many, in lesson.py as in train.py). AReaL and SkyRL bound admission the
-same way but consume in completion order, so a long answer overtaken by later ones can
-exceed the bound; TRL and prime-rl drop what exceeds it at consumption.
-
-`fifo` drops nothing. `pace` is our reading of PACE's abstract (the paper's code was not
-available): staleness has two sources, *generation* (versions that passed while an answer
-was written) and *waiting* (versions that passed while it sat in the pool); when the pool
-holds more groups than a target, the excess is a rejection budget, spent on the groups
-with the highest effective staleness (waiting + lam * generation) first. What is ours and
-not the abstract's: docs/course.md, "PACE, as we read it".
+Groups are consumed in admission order, so that --max-lag is a bound (Pool.take says why).
 """
 
 import math
@@ -65,6 +52,9 @@ def take_groups_fifo(pool, n):
 def reject_stalest(pool, n, version, lam, target):
     """PACE: reject up to max(0, len(pool) - target) groups, highest effective
     staleness first, never leaving fewer than n. Returns them, removed from pool."""
+    # staleness has two sources (the abstract's): generation, versions that passed while an answer
+    # was written, and waiting, versions that passed while it sat in the pool; effective staleness
+    # is waiting + lam * generation (the paper's code was not available: this is our reading)
     n_reject = min(max(0, len(pool) - target), max(0, len(pool) - n))
     eff = {g: effective_staleness(pool[g], version, lam) for g in pool}
     worst = sorted(pool, key=lambda g: (-eff[g], _completed(pool[g])))[:n_reject]
@@ -108,6 +98,13 @@ class Pool:
         return ids
 
     def take(self, version):
+        """The step's groups, the oldest not yet taken, or None while one of them is being written.
+        (groups, rejected): rejected, PACE's drops."""
+        # in admission order, never letting later groups overtake one still being written: the
+        # generator admits group g only once g < (versions loaded + max_lag + 1) x prompts_per_step
+        # (engine.Generator.may_admit), so g is trained at most max_lag versions after the weights
+        # that started it. AReaL and SkyRL bound admission the same way but consume in completion
+        # order (a long answer overtaken can exceed the bound); TRL and prime-rl drop at consumption
         n = self.cfg["prompts_per_step"]
         ids = self.next_ids(n)
         if not all(g in self.complete for g in ids):

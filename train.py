@@ -8,14 +8,8 @@ generator gets new weights (--regime, see regimes.py).
     python train.py --resume out/<run>                         # continue a run where its checkpoint left it
     torchrun --nproc_per_node 2 train.py --engines 2           # 2 trainer ranks (FSDP2), 2 vLLM engines
 
-The algorithm is lesson.py's, on a simulated clock in one process there: read that first.
-The same pieces run here (the Generator and its regimes, the pool, grpo.step, the flags),
-in two processes that work at the same time: this one, the trainer, and the generator (a
-vLLM engine stepped one decode step at a time). Finished answers come over a bounded queue;
-new weights go to the vLLM worker by torch.distributed broadcast after every optimizer step.
-What that takes is in system/: the generator process and its handle, the checks before a
-run, where each process runs, the run directory and checkpoints, torchrun's ranks; one line
-each here. Read it with one process in mind: with one, each ranks.* call is the identity.
+lesson.py's algorithm (read it first), in two processes at once: this one, the trainer, and the
+generator; answers come over a queue, weights go out by broadcast after every step (system/: one line each).
 """
 
 import argparse

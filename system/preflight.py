@@ -78,10 +78,10 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
     FSDP2, which gathers a layer's float32 weights at a time (two: the next is prefetched).
     The push (push_plan): what rank 0 holds of the tensors it sent, from the push until the
     next optimizer step (so beside that step's activations), and under FSDP2 the float32
-    tensor it gathers to send. Activations, per
+    tensor it gathers to send. On a GPU, autocast's bf16 copies of the weights. Activations, per
     token of the largest micro-batch, with or without activation checkpointing, and SDPA
     attention: each layer keeps its float32 input; the layer being recomputed holds
-    its bf16 intermediates and their gradients. Logits: a float32 chunk
+    its bf16 intermediates (q and k float32) and their gradients. Logits: a float32 chunk
     (grpo.LOGIT_CHUNK_BYTES) and ~4 more of its size (scaled logits, exp in logsumexp,
     their gradients)."""
     import torch

@@ -12,6 +12,7 @@ with the weight group's collectives made to behave as NCCL's (--nccl; its own te
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -263,11 +264,22 @@ def check_groups(run, cfg, steps):
     return answers
 
 
+def first_run_transcript():
+    """What docs/gpu.md says a first run prints, in its order, as line prefixes: each line it quotes cut
+    where the machine's own part begins (a device, "..."), and "its config" as the JSON's first line."""
+    text, run = " ".join(open(os.path.join("docs", "gpu.md")).read().split()), "--dataset gsm8k` prints"
+    start = text.index(run) + len(run)
+    said = re.findall(r"`([^`]*)`|(its config)", text[start : text.index("What stops it", start)])
+    return ["{" if config else re.split(r"cuda|\.\.\.", quoted)[0] for quoted, config in said]
+
+
 def test_pace_keeps_rejecting_within_the_lag_bound(tmp_path):
     """--pool pace with the generator free to run ahead (--max-lag 3) of a trainer that
     waits for the oldest groups: rejected groups leave their places to new ones, so
     PACE rejects at more than one step (before: once, then never again), no rejected
-    answer is trained, and no trained token is more than --max-lag versions old."""
+    answer is trained, and no trained token is more than --max-lag versions old. Its
+    stdout has the lines docs/gpu.md's first-run transcript names, in that order (an
+    evaluation at step 0 included: before, the page put the config first, no devices)."""
     run = str(tmp_path / "run")
     r = subprocess.run(
         [
@@ -283,12 +295,19 @@ def test_pace_keeps_rejecting_within_the_lag_bound(tmp_path):
             "3",
             "--pool",
             "pace",
+            "--eval-every",  # the step-0 evaluation a first run prints (and one at the last step)
+            "100",
+            "--eval-n",
+            "4",
         ],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines, prefixes = r.stdout.splitlines(), first_run_transcript()
+    at = [next((i for i, line in enumerate(lines) if line.startswith(p)), None) for p in prefixes]
+    assert len(prefixes) >= 8 and None not in at and at == sorted(at), list(zip(prefixes, at))
     metrics = [m for m in read(run, "metrics.jsonl") if "rejected_groups" in m]
     assert sum(m["rejected_groups"] > 0 for m in metrics) >= 2, [m["rejected_groups"] for m in metrics]
     assert all(m["lag_max"] <= 3 for m in metrics)

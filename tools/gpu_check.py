@@ -1,6 +1,7 @@
 """
-The first thing to run on a GPU machine (~5 minutes): does this machine run the
-experiment the way the CPU tests say it does? One screen, pass/fail per check.
+The first thing to run on a GPU machine (12-15 minutes, estimated: an engine start for check 1, one
+per regime for check 2, one for check 3): does this machine run the experiment the way the CPU tests
+say it does? One screen, pass/fail per check.
 
     python tools/gpu_check.py                             # Qwen/Qwen3-0.6B from the Hub, gsm8k prompts
     python tools/gpu_check.py --model /path/to/Qwen3-0.6B --data-file gsm8k_train.jsonl   # offline
@@ -20,8 +21,9 @@ experiment the way the CPU tests say it does? One screen, pass/fail per check.
    --ranks K, with --engines N): exit 0, versions consecutive, lag within --max-lag, no
    stale token outside `stale`, no preempted request, every engine's answers trained;
    generation and training tokens/s, the trainer's peak memory, vLLM's KV.
-3. a weight push against a raw broadcast of the same bytes, and the memory it holds in
-   the engine against its plan (bench_sync.py --only sync; --bench-rounds, 5: their medians).
+3. a weight push against a raw broadcast of the same bytes (within 1.2x it + 0.3 ms a tensor:
+   push_bound), and the memory it holds in the engine against its plan (bench_sync.py --only
+   sync; --bench-rounds, 5: their medians).
 Checks 1-3 run in processes of their own (check 1: own_process; 2 and 3: programs), each stopped past
 --deadline-s (20 min), its check failed (a program's with the last line it printed: the stage it was in).
 It needs nothing from this repository beyond the code.

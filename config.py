@@ -25,7 +25,7 @@ PRESET_MODELS = {  # --model names that are not Hub ids: directories in this rep
 }
 
 
-# --loss's choices: grpo.LOSSES' keys, in its order (tests/test_config.py), spelled out so that config
+# --loss's choices: losses.LOSSES' keys, in its order (tests/test_config.py), spelled out so that config
 # imports no torch (grpo does): eval.py checks its flags before torch loads
 LOSS_NAMES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po", "m2po-authors")
 
@@ -87,13 +87,13 @@ def add_flags(p, program):
         ("micro-batch-tokens", int,                    FILL, "gradient accumulation: padded tokens (answers x "
                                                              "longest prompt+answer) per forward/backward; 16384 "
                                                              "fits Qwen3-0.6B's trainer in 24 GB: README, GPU runs"),
-        # the loss and its corrections (grpo.py)
+        # the loss and its corrections (grpo.py, losses.py)
         ("format-reward",  float,                           0.0,    "reward of a wrong answer that puts something in "
                                                                     "a \\boxed{} (reward.py; 0: correctness only)"),
         ("truncated",      ("zero", "filter"),              "zero", "an answer cut at --max-new-tokens earns reward "
                                                                     "0 (zero), and with filter is also left out of "
                                                                     "the loss (DAPO's overlong filtering)"),
-        ("loss",           LOSS_NAMES,                      "tis",  "off-policy correction (grpo.LOSSES: each one's "
+        ("loss",           LOSS_NAMES,                      "tis",  "off-policy correction (losses.LOSSES: each one's "
                                                                     "formula and source in its docstring): none "
                                                                     "ignores mu, ppo is decoupled, m2po is its "
                                                                     "paper's with AReaL's mask, m2po-authors its "

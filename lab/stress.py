@@ -17,12 +17,12 @@ breaks, at the last (most off-policy) setting.
 
 Stage 2 (holds), at that setting, seeds 0-2: `stale` with every --loss; then the best
 correction (rule: the highest mean final pass@1 over the seeds, ties to the earlier in
-grpo.LOSSES, `none` excluded) on `recompute` (stale KV against KV rebuilt under the new
+losses.LOSSES, `none` excluded) on `recompute` (stale KV against KV rebuilt under the new
 weights) and on `sync` (nothing off-policy: the reference); and `recompute --loss none`
 (stale KV against rebuilt KV when nothing corrects either). Each --loss with its own
 defaults: `gspo` averages per answer (--loss-agg answer, as its paper; issue 49 changed
 this from the token mean, and its runs were made again), `m2po` was added by issue 50.
-The losses are those grpo.LOSSES held then (HOLDS_LOSSES): `m2po-authors`, added later, has no runs here.
+The losses are those losses.LOSSES held then (HOLDS_LOSSES): `m2po-authors`, added later, has no runs here.
 
 Tables: final pass@1 at equal steps (every run takes the preset's steps) and at equal simulated
 time (the earliest end among the runs compared: each run's last evaluation at or before it),
@@ -55,7 +55,7 @@ from system.runlog import per_token, read_jsonl  # noqa: E402
 from stats import paired_t, show_paired, show_spread, spread, verdict  # noqa: E402
 
 SEEDS = (0, 1, 2)
-HOLDS_LOSSES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po")  # stage 2's: grpo.LOSSES at issue 50
+HOLDS_LOSSES = ("none", "tis", "ppo", "icepop", "geo", "cispo", "gspo", "m2po")  # stage 2's: losses.LOSSES at issue 50
 # the long preset cut to 40 steps (every regime has reached its plateau by step ~40, lab/archive.md), pass@1 every
 # 10 steps for the learning curves: ~3 minutes a run on one core
 BASE = ("--preset", "long", "--steps", "40", "--eval-every", "10")

@@ -21,68 +21,68 @@ MUTANTS = {
     "loss": [
         (
             "weight not detached",
-            "grpo.py",
+            "losses.py",
             "ratio = torch.exp(logp.detach() - mu)\n    return -ratio.clamp",
             "ratio = torch.exp(logp - mu)\n    return -ratio.clamp",
         ),
         (
             "mu/pi",
-            "grpo.py",
+            "losses.py",
             "ratio = torch.exp(logp.detach() - mu)\n    return -ratio.clamp",
             "ratio = torch.exp(mu - logp.detach())\n    return -ratio.clamp",
         ),
         (
             "pi_old for mu",
-            "grpo.py",
+            "losses.py",
             "ratio = torch.exp(logp.detach() - mu)\n    return -ratio.clamp",
             "ratio = torch.exp(logp.detach() - old)\n    return -ratio.clamp",
         ),
-        ("no cap", "grpo.py", '-ratio.clamp(max=cfg["is_cap"]) * adv * logp', "-ratio * adv * logp"),
+        ("no cap", "losses.py", '-ratio.clamp(max=cfg["is_cap"]) * adv * logp', "-ratio * adv * logp"),
         (
             "capped from below",
-            "grpo.py",
+            "losses.py",
             '-ratio.clamp(max=cfg["is_cap"]) * adv * logp',
             '-ratio.clamp(min=cfg["is_cap"]) * adv * logp',
         ),
         (
             "sign flip",
-            "grpo.py",
+            "losses.py",
             '-ratio.clamp(max=cfg["is_cap"]) * adv * logp',
             'ratio.clamp(max=cfg["is_cap"]) * adv * logp',
         ),
         (
             "no log pi",
-            "grpo.py",
+            "losses.py",
             '-ratio.clamp(max=cfg["is_cap"]) * adv * logp',
             '-ratio.clamp(max=cfg["is_cap"]) * adv * logp.exp()',
         ),
-        ("capped tokens not reported", "grpo.py", 'ratio > cfg["is_cap"]', "ratio < 0"),
+        ("capped tokens not reported", "losses.py", 'ratio > cfg["is_cap"]', "ratio < 0"),
     ],
     "correction": [
         (
             "ppo without its clip",
-            "grpo.py",
+            "losses.py",
             'surrogate, clipped = ppo_clip(logp, old, adv, cfg["clip_eps"])\n    k = (old - mu).exp()',
             "surrogate, clipped = -(logp - old).exp() * adv, adv != adv\n    k = (old - mu).exp()",
         ),
-        ("k = mu/pi_old", "grpo.py", "k = (old - mu).exp()", "k = (mu - old).exp()"),
-        ("k = pi/mu", "grpo.py", "k = (old - mu).exp()", "k = (logp.detach() - mu).exp()"),
-        ("k not applied", "grpo.py", "return k * keep * surrogate", "return keep * surrogate"),
+        ("k = mu/pi_old", "losses.py", "k = (old - mu).exp()", "k = (mu - old).exp()"),
+        ("k = pi/mu", "losses.py", "k = (old - mu).exp()", "k = (logp.detach() - mu).exp()"),
+        ("k not applied", "losses.py", "return k * keep * surrogate", "return keep * surrogate"),
         (
             "clamped, not masked",
-            "grpo.py",
+            "losses.py",
             "return k * keep * surrogate",
             'return k.clamp(cfg["icepop_low"], cfg["icepop_high"]) * surrogate',
         ),
         (
             "masked tokens not reported",
-            "grpo.py",
+            "losses.py",
             "return k * keep * surrogate, clipped | ~keep",
             "return k * keep * surrogate, clipped",
         ),
         (
             "band inverted",
-            "grpo.py",
+            "losses.py",
             'keep = (k >= cfg["icepop_low"]) & (k <= cfg["icepop_high"])',
             'keep = (k <= cfg["icepop_low"]) | (k >= cfg["icepop_high"])',
         ),
@@ -90,21 +90,26 @@ MUTANTS = {
     "m2po": [
         (
             "<= tau, not < tau",
-            "grpo.py",
+            "losses.py",
             "below = torch.nonzero(rest_mean < tau)",
             "below = torch.nonzero(rest_mean <= tau)",
         ),
-        ("the smallest first", "grpo.py", "flatten(), descending=True).values", "flatten(), descending=False).values"),
-        ("the smallest masked value returned", "grpo.py", "else s[masked].item()", "else s[masked - 1].item()"),
+        (
+            "the smallest first",
+            "losses.py",
+            "flatten(), descending=True).values",
+            "flatten(), descending=False).values",
+        ),
+        ("the smallest masked value returned", "losses.py", "else s[masked].item()", "else s[masked - 1].item()"),
         (
             "every token masked when no mean is below tau",
-            "grpo.py",
+            "losses.py",
             "if len(below) else len(s) - 1",
             "if len(below) else len(s)",
         ),
         (
             "the mean of the masked, not of the rest",
-            "grpo.py",
+            "losses.py",
             "s.flip(0).cumsum(0).flip(0) / torch.arange(len(s), 0, -1, dtype=torch.float64)",
             "s.cumsum(0) / torch.arange(1, len(s) + 1, dtype=torch.float64)",
         ),
@@ -304,7 +309,7 @@ ACCEPTED = {
     "loss": [
         (
             "torch.minimum, the flag from the weight",
-            "grpo.py",
+            "losses.py",
             '    ratio = torch.exp(logp.detach() - mu)\n    return -ratio.clamp(max=cfg["is_cap"]) * adv * logp, '
             'ratio > cfg["is_cap"]\n',
             '    ratio = (logp - mu).exp().detach()\n    w = torch.minimum(ratio, torch.tensor(cfg["is_cap"], '
@@ -314,7 +319,7 @@ ACCEPTED = {
     "correction": [
         (
             "torch.where, the band's outside tested",
-            "grpo.py",
+            "losses.py",
             '    k = (old - mu).exp()\n    keep = (k >= cfg["icepop_low"]) & (k <= cfg["icepop_high"])\n'
             "    return k * keep * surrogate, clipped | ~keep\n",
             '    k = torch.exp(old - mu)\n    out = (k < cfg["icepop_low"]) | (k > cfg["icepop_high"])\n'
@@ -324,7 +329,7 @@ ACCEPTED = {
     "m2po": [
         (
             "a loop that masks one at a time",
-            "grpo.py",
+            "losses.py",
             "    s = torch.sort(m2.double().flatten(), descending=True).values\n",
             "    kept = sorted(m2.double().flatten().tolist(), reverse=True)\n    masked = 0\n"
             "    while masked < len(kept) - 1 and sum(kept[masked:]) / (len(kept) - masked) >= tau:\n"

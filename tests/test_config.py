@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import config
-import grpo
+import losses
 import lesson
 import train
 
@@ -69,9 +69,9 @@ def test_fill_derives_what_both_trainers_use(tmp_path):
 
 
 def test_loss_names_are_grpos():
-    """--loss's choices, spelled out in config.py (which imports no torch), are grpo.LOSSES' keys,
-    in its order: a loss added to grpo.py is a choice only once it is added here too."""
-    assert config.LOSS_NAMES == tuple(grpo.LOSSES)
+    """--loss's choices, spelled out in config.py (which imports no torch), are losses.LOSSES' keys,
+    in its order: a loss added to losses.py is a choice only once it is added here too."""
+    assert config.LOSS_NAMES == tuple(losses.LOSSES)
 
 
 def test_config_imports_no_torch():

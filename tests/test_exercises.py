@@ -120,8 +120,8 @@ def copy_lines(root):
 # lesson's own that a student reads anyway, not the answer's (a block written again is not
 # listed here, and fails the test below). The test checks that each is still shared.
 SHARED = {
-    "loss": {"ratio = torch.exp(logp.detach() - mu)": "grpo.loss_cispo"},
-    "correction": {'surrogate, clipped = ppo_clip(logp, old, adv, cfg["clip_eps"])': "grpo.loss_ppo, loss_geo"},
+    "loss": {"ratio = torch.exp(logp.detach() - mu)": "losses.loss_cispo"},
+    "correction": {'surrogate, clipped = ppo_clip(logp, old, adv, cfg["clip_eps"])': "losses.loss_ppo, loss_geo"},
     "recompute": {
         "aborted = gen.abort_all()": "regimes.Discard.switch",
         "gen.load_weights(version, weights)": "regimes.Discard.switch",
@@ -157,8 +157,8 @@ MIN_NODES = 8  # an expression this big says something: `b * layer * L` (7) is o
 # Expressions of an answer the lesson writes elsewhere too, on purpose, each where (as SHARED,
 # for expressions within longer statements); the test checks that each is still shared.
 SHARED_EXPRESSIONS = {
-    "loss": {"torch.exp(logp.detach() - mu)": "grpo.loss_cispo"},
-    "correction": {'ppo_clip(logp, old, adv, cfg["clip_eps"])': "grpo.loss_ppo, loss_geo"},
+    "loss": {"torch.exp(logp.detach() - mu)": "losses.loss_cispo"},
+    "correction": {'ppo_clip(logp, old, adv, cfg["clip_eps"])': "losses.loss_ppo, loss_geo"},
     "record": {"len(self.prompt_ids) + len(self.tokens)": "engine.Rollout.prefill_tokens"},
     "silent_behaviour": {'torch.cat([s["logprobs"] for s in mb])': "tools/gpu_check.py (the engine's mu)"},
 }

@@ -15,6 +15,7 @@ import torch
 
 import engine
 import grpo
+import losses
 from pool import reject_stalest
 import regimes
 
@@ -203,7 +204,7 @@ def test_icepop_reports_a_masked_token_that_ppo_does_not_clip():
     logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
     mu = logp.detach() - torch.tensor([10.0, 2.0], dtype=torch.float64).log()
     cfg = dict(clip_eps=0.2, icepop_low=0.5, icepop_high=5.0)
-    per_token, clipped = grpo.loss_icepop(
+    per_token, clipped = losses.loss_icepop(
         cfg, logp, logp.detach(), mu, torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([0, 0])
     )
     per_token.sum().backward()

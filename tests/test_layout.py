@@ -336,7 +336,7 @@ WRONG = {
         "read [`lesson.py`](lesson.py) first",  # one reading order: the first sitting's
     ],
     "lesson.py": ["Read this first"],  # the README's first sections come first
-    "grpo.py": ['secretly brings you off-policy RL training", 2025): w = min(pi/mu, C)'],  # theirs is pi_old/mu
+    "losses.py": ['secretly brings you off-policy RL training", 2025): w = min(pi/mu, C)'],  # theirs is pi_old/mu
 }
 
 

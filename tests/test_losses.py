@@ -1,5 +1,5 @@
 """
-The off-policy corrections (grpo.LOSSES), each on three tokens worked by hand: the loss
+The off-policy corrections (losses.LOSSES), each on three tokens worked by hand: the loss
 per token, its gradient with respect to log pi, and which tokens it clips or masks, as
 numbers written here, not computed by the code under test. Then the step's diagnostics
 (ESS, clipped share, KL) on two tokens, also by hand.
@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import grpo
+import losses
 
 LOGP = [-1.0, -2.0, -0.5]
 R, D = [3.0, 0.6, 0.25], [1.5, 1.0, 0.7]
@@ -74,7 +75,7 @@ BY_HAND = {
 
 @pytest.mark.fast
 def test_every_loss_is_worked_by_hand():
-    assert sorted(BY_HAND) == sorted(grpo.LOSSES)
+    assert sorted(BY_HAND) == sorted(losses.LOSSES)
 
 
 @pytest.mark.fast
@@ -83,8 +84,8 @@ def test_loss_by_hand(name):
     logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
     mu = logp.detach() - torch.tensor(R, dtype=torch.float64).log()
     old = logp.detach() - torch.tensor(D, dtype=torch.float64).log()
-    cfg = dict(CFG, m2po_cutoff=grpo.m2po_cutoff(grpo.m2po_moment(old, mu), CFG["m2po_tau"]))  # m2po's mask
-    per_token, clipped = grpo.LOSSES[name](
+    cfg = dict(CFG, m2po_cutoff=losses.m2po_cutoff(losses.m2po_moment(old, mu), CFG["m2po_tau"]))  # m2po's mask
+    per_token, clipped = losses.LOSSES[name](
         cfg, logp, old, mu, torch.tensor(ADV, dtype=torch.float64), torch.tensor(ANSWER)
     )
     per_token.sum().backward()
@@ -101,18 +102,18 @@ def test_m2po_masks_the_largest_until_the_rest_is_under_tau():
     mean 0.55 / 6 = 0.0917 >= tau 0.04. Masked in order: 0.25 (the rest's mean 0.30 / 5 = 0.06, still
     >= 0.04), then 0.16 (0.14 / 4 = 0.035 < 0.04): two masked, the largest kept 0.09, M2 0.035."""
     log_k = torch.tensor([0.3, 0.1, -0.5, 0.2, 0.0, 0.4], dtype=torch.float64)
-    m2 = grpo.m2po_moment(log_k, torch.zeros(6, dtype=torch.float64))
-    cut = grpo.m2po_cutoff(m2, 0.04)
+    m2 = losses.m2po_moment(log_k, torch.zeros(6, dtype=torch.float64))
+    cut = losses.m2po_cutoff(m2, 0.04)
     assert cut == pytest.approx(0.09) and (m2 <= cut).tolist() == [True, True, False, True, True, False]
     assert m2[m2 <= cut].mean().item() == pytest.approx(0.035)
-    assert grpo.m2po_cutoff(m2, 0.1) == float("inf")  # 0.0917 < 0.1: nothing masked
-    assert grpo.m2po_cutoff(m2, 0.0) == 0.0  # no mean is below 0: all but the smallest go
+    assert losses.m2po_cutoff(m2, 0.1) == float("inf")  # 0.0917 < 0.1: nothing masked
+    assert losses.m2po_cutoff(m2, 0.0) == 0.0  # no mean is below 0: all but the smallest go
     # the rest's mean must fall *below* tau: once 1.0 goes, (0.5 + 0) / 2 = 0.25 is not below 0.25, so 0.5 goes too
-    assert grpo.m2po_cutoff(torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64), 0.25) == 0.0
+    assert losses.m2po_cutoff(torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64), 0.25) == 0.0
     # ties are read by value: sorted 0.25, 0.16, 0.09, 0.09, 0.01, 0, the rest's mean falls below 0.04 once three
     # go (0.10 / 3), so k = 3 and s[3] = 0.09 is returned; the mask (m2 <= 0.09) keeps both 0.09s, though the four
     # kept then have the mean 0.19 / 4 = 0.0475, not below tau
-    assert grpo.m2po_cutoff(torch.tensor([0.25, 0.16, 0.09, 0.09, 0.01, 0.0]), 0.04) == pytest.approx(0.09)
+    assert losses.m2po_cutoff(torch.tensor([0.25, 0.16, 0.09, 0.09, 0.01, 0.0]), 0.04) == pytest.approx(0.09)
 
 
 @pytest.mark.fast
@@ -128,16 +129,18 @@ def test_m2po_moment_is_over_the_steps_trained_tokens():
     ]
     adv = torch.tensor([1.0, -1.0, 0.5, 2.0, 0.0])
     cfg = dict(CFG, loss="m2po", m2po_tau=0.04)
-    whole = grpo.loss_settings(cfg, answers, adv)["m2po_cutoff"]
+    whole = losses.loss_settings(cfg, answers, adv)["m2po_cutoff"]
     assert whole == pytest.approx(0.09, rel=1e-6)
     halves = [(answers[:2], adv[:2]), (answers[2:], adv[2:])]
-    shares = [[grpo.m2po_moment(s["old_logprobs"], s["logprobs"]) for s, a in zip(b, ad) if a != 0] for b, ad in halves]
+    shares = [
+        [losses.m2po_moment(s["old_logprobs"], s["logprobs"]) for s, a in zip(b, ad) if a != 0] for b, ad in halves
+    ]
     gather = lambda mine: [torch.cat(x) for x in shares]  # what Ranks.gather returns: each rank's
-    assert all(grpo.loss_settings(cfg, b, ad, gather)["m2po_cutoff"] == whole for b, ad in halves)
-    assert grpo.loss_settings(dict(cfg, loss="tis"), answers, adv) == dict(cfg, loss="tis")  # others: cfg itself
+    assert all(losses.loss_settings(cfg, b, ad, gather)["m2po_cutoff"] == whole for b, ad in halves)
+    assert losses.loss_settings(dict(cfg, loss="tis"), answers, adv) == dict(cfg, loss="tis")  # others: cfg itself
 
 
-# M2PO as its authors' code runs it (grpo.loss_m2po_authors), on six tokens of budget 0.05:
+# M2PO as its authors' code runs it (losses.loss_m2po_authors), on six tokens of budget 0.05:
 #
 #     token            0      1      2      3      4      5
 #     A               +1     +1     +1     -1     -1     -1
@@ -166,7 +169,7 @@ def m2po_authors_on(tokens, budget=0.05):
     mu = logp.detach() - torch.tensor([SIX_LOG_R[i] for i in tokens], dtype=torch.float64)
     adv = torch.tensor([SIX_ADV[i] for i in tokens], dtype=torch.float64)
     old = logp.detach() + 0.3  # pi_old apart from pi and mu: the authors' loss does not read it
-    per_token, clipped = grpo.loss_m2po_authors(dict(CFG, m2po_tau=budget), logp, old, mu, adv, None)
+    per_token, clipped = losses.loss_m2po_authors(dict(CFG, m2po_tau=budget), logp, old, mu, adv, None)
     per_token.sum().backward()
     return per_token.tolist(), logp.grad.tolist(), clipped.tolist()
 
@@ -183,11 +186,11 @@ def check_m2po_authors_by_hand():
 def test_m2po_authors_clips_only_harmful_tokens_at_the_winsorised_cap():
     check_m2po_authors_by_hand()
     m2 = torch.tensor([0.01, 0.09, 0.04, 0.36], dtype=torch.float64)  # the harmful tokens' (log)^2
-    assert grpo.m2po_authors_cap(m2, 0.05) == 0.04
-    assert grpo.m2po_authors_cap(m2, 0.125) == math.inf  # their mean is at the budget: nothing clipped
-    assert grpo.m2po_authors_cap(m2, 0.03) == 0.01  # capped at 0.01: 0.01 < 0.03; at 0.04: 0.0325, not
-    assert grpo.m2po_authors_cap(m2, 0.005) == 0.0  # even capped at the smallest, 0.01 >= 0.005: all clipped
-    assert grpo.m2po_authors_cap(m2[:0], 0.05) == math.inf  # no harmful token: nothing to clip
+    assert losses.m2po_authors_cap(m2, 0.05) == 0.04
+    assert losses.m2po_authors_cap(m2, 0.125) == math.inf  # their mean is at the budget: nothing clipped
+    assert losses.m2po_authors_cap(m2, 0.03) == 0.01  # capped at 0.01: 0.01 < 0.03; at 0.04: 0.0325, not
+    assert losses.m2po_authors_cap(m2, 0.005) == 0.0  # even capped at the smallest, 0.01 >= 0.005: all clipped
+    assert losses.m2po_authors_cap(m2[:0], 0.05) == math.inf  # no harmful token: nothing to clip
 
 
 @pytest.mark.fast
@@ -226,7 +229,7 @@ def test_m2po_authors_by_hand_catches(wrong, monkeypatch):
     """The six tokens' hand-worked loss, gradient and clipped catch a plausible wrong version of
     the authors' M2PO, put in the place of the part it gets wrong."""
     name, fn = WRONG_M2PO_AUTHORS[wrong]
-    monkeypatch.setattr(grpo, name, fn)
+    monkeypatch.setattr(losses, name, fn)
     with pytest.raises(AssertionError):
         check_m2po_authors_by_hand()
 
@@ -245,7 +248,7 @@ def test_gspo_averages_per_answer_by_default():
     batch = [dict(token_ids=torch.zeros(1)), dict(token_ids=torch.zeros(2))]
     logp = torch.tensor([-1.0, -2.0, -2.0], dtype=torch.float64)
     mu = logp - torch.tensor([1.0, 1.0002, 1.0002], dtype=torch.float64).log()
-    per_token, clipped = grpo.loss_gspo(
+    per_token, clipped = losses.loss_gspo(
         dict(CFG, gspo_eps_low=3e-4, gspo_eps_high=4e-4),
         logp,
         logp,
@@ -270,7 +273,7 @@ def test_one_step_per_batch_none_is_reinforce_and_ppo_is_uncapped_is():
     adv = torch.tensor(ADV, dtype=torch.float64)
     for name, want in (("none", [-1.0, -1.0, 1.0]), ("ppo", [-3.0, -0.6, 0.25])):
         logp.grad = None
-        per_token, clipped = grpo.LOSSES[name](CFG, logp, logp.detach(), mu, adv, torch.tensor(ANSWER))
+        per_token, clipped = losses.LOSSES[name](CFG, logp, logp.detach(), mu, adv, torch.tensor(ANSWER))
         per_token.sum().backward()
         assert logp.grad.tolist() == pytest.approx(want) and not clipped.any()
 
@@ -306,7 +309,7 @@ def test_minibatches_cut_the_batch_in_order():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("name", sorted(grpo.LOSSES))
+@pytest.mark.parametrize("name", sorted(losses.LOSSES))
 def test_every_loss_keeps_to_its_inputs_device(name):
     """Every loss makes what it makes on its inputs' device: on a GPU they are CUDA tensors, and a tensor
     made without a device (on the CPU) that meets them fails there. The same mix here, the other way round:
@@ -320,7 +323,7 @@ def test_every_loss_keeps_to_its_inputs_device(name):
     adv, answer = torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0, -1.0]), torch.tensor([0, 0, 1, 2, 3, 3])
     cfg = dict(CFG, m2po_cutoff=0.3, m2po_tau=0.01)
     with torch.device("meta"):
-        loss, clipped = grpo.LOSSES[name](cfg, logp, old, mu, adv, answer)
+        loss, clipped = losses.LOSSES[name](cfg, logp, old, mu, adv, answer)
         loss.sum().backward()
     assert loss.device.type == clipped.device.type == logp.grad.device.type == "cpu"
     if name == "m2po-authors":  # the cap was computed: some harmful token clipped

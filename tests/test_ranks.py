@@ -91,6 +91,7 @@ def grads_job(out, *cases):
     comma-separated LOSSES in turn."""
     import torch.distributed as dist
     import grpo
+    from losses import loss_settings
     from system.ranks import Ranks
 
     torch.set_num_threads(1)
@@ -118,7 +119,7 @@ def grads_job(out, *cases):
                 len(grpo.micro_batches([s for s, a in zip(share, share_adv) if a != 0], cfg["micro_batch_tokens"])),
             )
             grpo.pi_old(cfg, model, [(share, share_adv, weights, n_micro)], "cpu", ranks)  # m2po: then its mask
-            cfg = grpo.loss_settings(cfg, share, share_adv, ranks.gather)
+            cfg = loss_settings(cfg, share, share_adv, ranks.gather)
             model.zero_grad(set_to_none=True)
             total, gap, gap_tokens, *_ = ranks.sum(
                 *grpo.train_step(cfg, model, share, share_adv, weights, "cpu", n_micro)
@@ -155,6 +156,7 @@ def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, two_ra
     forward without autograd after a backward, as at every step of a run but the first; before
     Ranks.reshard its gradients were 0.09 off (of 0.2) on the tied embeddings."""
     import grpo
+    from losses import loss_settings, m2po_moment
 
     for loss, got in two_rank_grads[f"{losses}:{checkpointing}"].items():
         (tok0, mb0), (tok1, mb1) = got["split"]
@@ -163,12 +165,12 @@ def test_two_ranks_take_the_step_one_process_takes(losses, checkpointing, two_ra
         cfg = step_cfg(loss)
         if grpo.needs_pi_old(cfg):
             grpo.old_logprobs(cfg, model, batch, adv, "cpu")
-        cfg = grpo.loss_settings(cfg, batch, adv)
+        cfg = loss_settings(cfg, batch, adv)
         if loss == "m2po":  # the mask binds, and not on every token
             assert (
                 0
                 < cfg["m2po_cutoff"]
-                < max(grpo.m2po_moment(s["old_logprobs"], s["logprobs"]).max() for s in batch if "old_logprobs" in s)
+                < max(m2po_moment(s["old_logprobs"], s["logprobs"]).max() for s in batch if "old_logprobs" in s)
             )
         ref_loss, gap, gap_tokens, *_ = grpo.train_step(cfg, model, batch, adv, grpo.token_weights(cfg, batch), "cpu")
         assert abs(got["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), loss

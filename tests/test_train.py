@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import grpo
+import losses
 from system import checkpoint
 from helpers import LOSS_CFG, ROOT, batch_of, small_model, with_logprobs
 
@@ -91,7 +92,7 @@ ADVANTAGES = {
 @pytest.mark.parametrize("advantages", sorted(ADVANTAGES))
 @pytest.mark.parametrize(
     "loss, agg, drift",
-    [(name, "token", False) for name in grpo.LOSSES if name != "m2po-authors"]  # its clip is per micro-batch, by
+    [(name, "token", False) for name in losses.LOSSES if name != "m2po-authors"]  # its clip is per micro-batch, by
     # design (its authors' code decides it so): no whole-batch equal; tests/test_losses.py works it by hand
     + [(name, "token", True) for name in ("none", "ppo", "geo", "gspo", "m2po")]
     + [("tis", "answer", False), ("tis", "constant", False), ("ppo", "answer", True)],
@@ -121,8 +122,8 @@ def test_micro_batched_gradients_equal_whole_batch(loss, agg, drift, advantages,
         cfg["m2po_tau"] = 1.0  # here (log pi_old/mu)^2 runs ~0-10: masks some tokens, keeps most
         if not drift:
             grpo.old_logprobs(dict(cfg, micro_batch_tokens=100_000), model, batch, adv, "cpu")
-        cfg = grpo.loss_settings(cfg, batch, adv)
-        m2 = torch.cat([grpo.m2po_moment(s["old_logprobs"], s["logprobs"]) for s in batch if "old_logprobs" in s])
+        cfg = losses.loss_settings(cfg, batch, adv)
+        m2 = torch.cat([losses.m2po_moment(s["old_logprobs"], s["logprobs"]) for s in batch if "old_logprobs" in s])
         kept = [(m2 <= cfg["m2po_cutoff"]).float().mean()]
         assert 0 < sum(kept) / len(kept) < 1, "the mask masks nothing or everything: the test proves little"
     ref_loss, ref = reference_grads(cfg, model, batch, adv)

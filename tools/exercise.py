@@ -47,7 +47,7 @@ EXERCISES = {
         ],
     ),
     "loss": dict(
-        where=("grpo.py", "loss_tis"),
+        where=("losses.py", "loss_tis"),
         run="",
         stand_in=(
             "weights no token: -A log pi, the on-policy loss (--loss none's)",
@@ -64,7 +64,7 @@ EXERCISES = {
         ],
     ),
     "correction": dict(
-        where=("grpo.py", "loss_icepop"),
+        where=("losses.py", "loss_icepop"),
         run=" --loss icepop",
         stand_in=(
             "decoupled PPO with no mismatch weight (--loss ppo's)",
@@ -80,7 +80,7 @@ EXERCISES = {
         ],
     ),
     "m2po": dict(
-        where=("grpo.py", "m2po_cutoff"),
+        where=("losses.py", "m2po_cutoff"),
         run=" --loss m2po",
         stand_in=("masks no token (returns inf)", "import math\n\nreturn math.inf"),
         task="M2PO's mask over a step's tokens, m2 (N,) their (log pi_old/mu)^2: sorted largest first (s), mask the k "

@@ -1,29 +1,14 @@
 """
-One GRPO step on a batch of finished answers, as both trainers take it (lesson.py in
-one process, train.py beside the generator process): advantages, log-probabilities
-over micro-batches, the off-policy-corrected loss, the optimizer step, and what a
-step logs about where its tokens came from.
+One GRPO step on a batch of finished answers, as both trainers take it: advantages, log-probabilities
+over micro-batches, the off-policy-corrected loss (losses.py), the optimizer step, and what a step logs.
 
-The loss, and what it simplifies:
-- Reward (reward.py): 1 for a right final answer, else 0, or --format-reward for a
-  wrong answer that at least puts something in a \\boxed{} (default 0: correctness only).
-- GRPO advantages: reward minus the group mean, over the group std (+1e-4); groups
-  of --group-size answers to one prompt, consumed whole.
-- Off-policy correction (--loss): mu is the probability the engine reported when it
-  sampled a token (stale KV included: only the engine knows it), pi the trained policy
-  now, pi_old the trained policy before this batch's first optimizer step. The ratio
-  pi/mu splits in two: (pi_old/mu), the sampler-trainer mismatch (numerics, stale KV,
-  lag), times (pi/pi_old), the policy's own drift over --minibatches steps. LOSSES
-  (losses.py): one small function each, its formula and source in its docstring.
-- --minibatches N: the batch cut into N optimizer steps (PPO's mini-batches; verl's
-  ppo_mini_batch_size), so the policy drifts within a batch and the clips of the
-  ppo-style losses bind; pi_old is then computed once, before the first (old_logprobs).
-- The mean over the batch's tokens (--loss-agg token: every token counts the same),
-  or over answers of each answer's mean (answer: the original GRPO), or the sum over
-  tokens over answers x --max-new-tokens (constant: Dr. GRPO), accumulated over
-  micro-batches of --micro-batch-tokens (train_step), no KL term, no
-  entropy bonus, AdamW with a linear warmup
-  (--warmup-steps), then a constant or cosine-decayed learning rate (--lr-schedule).
+What it simplifies: reward 1 for a right final answer, else 0 (or --format-reward for a boxed wrong
+one); advantages over groups of --group-size answers consumed whole; the ratio pi/mu, mu the engine's
+probability at sampling (stale KV included: only the engine knows it), split as (pi_old/mu), the
+sampler-trainer mismatch, times (pi/pi_old), the drift over --minibatches optimizer steps (verl's
+ppo_mini_batch_size); the mean over tokens, answers (GRPO) or a constant (Dr. GRPO) by --loss-agg,
+accumulated over micro-batches; no KL term, no entropy bonus; AdamW after a linear warmup, then a
+constant or cosine learning rate.
 """
 
 import math

@@ -307,8 +307,8 @@ def bench_sync(args):
     n_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     ctx = mp.get_context("spawn")
     # the same device placement as the generator; a round for the warm-up and one each of --rounds
-    raw = RawBroadcast(ctx, env, cfg["sync_backend"], list(sd.values()), args.rounds + 1, device)
-    raw_broadcast = raw.round
+    baseline = RawBroadcast(ctx, env, cfg["sync_backend"], list(sd.values()), args.rounds + 1, device)
+    raw_broadcast = baseline.round
 
     generator_main = system.handle.generator_main
     system.handle.generator_main = heap_probed_generator  # what GeneratorHandle spawns, for this run
@@ -381,7 +381,7 @@ def bench_sync(args):
         whole.append(watched_push(overlap=False))
     del step_s[0]  # the warm-up's
     gen.stop()
-    raw.close()
+    baseline.close()
     mib = lambda b: f"{b / 2**20:+.1f} MiB"
     peaks, kept = [h["peak"] - h["before"] for h in heap], [h["after"] - h["before"] for h in heap]
     kind = "CUDA, torch" if cfg["gen_devices"][0].startswith("cuda") else "malloc, mallinfo2"
@@ -416,11 +416,11 @@ def bench_sync(args):
         f"the raw broadcast; the forward and backward of {args.step_tokens} tokens it overlaps: "
         f"{median_high(step_s):.3f}s"
     )
-    guard_s, ops, kernels = guard_cost(raw.send)
+    guard_s, ops, kernels = guard_cost(baseline.send)
     print(
         f"  the guard's checksum (system.push.checksum, each side of a push; the trainer's on a thread of "
-        f"its own): {ops} ops dispatched for {len(raw.send)} tensors "
-        f"({ops / len(raw.send):.1f} a tensor, {kernels} of them kernels), {guard_s:.4f}s alone (median of 5) "
+        f"its own): {ops} ops dispatched for {len(baseline.send)} tensors "
+        f"({ops / len(baseline.send):.1f} a tensor, {kernels} of them kernels), {guard_s:.4f}s alone (median of 5) "
         f"-> {guard_s / raw_s:.3f}x the raw broadcast"
     )
     print(

@@ -1,17 +1,10 @@
 """
 What keeps train.py's run directory, out/<run>/ (its files: system/runlog.py), across a
-crash: the checkpoint, and --resume.
-
-It protects the user from:
-- a crash while saving that leaves no checkpoint, or half of one (save_checkpoint
-  writes ckpt.tmp/ and renames; recover_checkpoint finds the complete one);
-- a resumed run that shows some steps or answers twice, or loses groups (cut_logs: the
-  logs are cut back to the checkpoint, and what the dead run wrote after it is kept in
-  side files; the checkpoint keeps which groups were consumed or rejected, so exactly
-  the others are generated again);
-- optimizer state saved on one device layout that will not load on another
-  (load_trainer_state).
-
+crash: the checkpoint, and --resume. It protects the user from a crash while saving that
+leaves no checkpoint, or half of one (save_checkpoint, recover_checkpoint); a resumed run
+that shows some steps or answers twice, or loses groups (cut_logs; the checkpoint keeps
+which groups were consumed or rejected, so exactly the others are generated again); and
+optimizer state saved on one device layout that will not load on another (load_trainer_state).
 train.py calls one of these per line; this file says how each works.
 """
 

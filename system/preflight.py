@@ -1,19 +1,13 @@
 """
-What guards a run before anything expensive starts: every check here runs before
-the generator (and, where it can, before torch) loads, so that a mistake costs
-seconds, not the minutes of a model load and an engine start.
-
-It protects the user from:
-- a typo in a flag or a file that surfaces ten minutes in, or as a traceback
-  (config.check_config, check_model, and data.load_splits: one line, exit code 2, via
-  data.UsageError);
-- vLLM capping answers without a word, or refusing in the generator after its start
-  (check_budget: the longest prompt + --max-new-tokens must fit --max-model-len);
-- a trainer that runs out of GPU memory after the model loaded (check_memory_plan),
-  and a KV cache that cannot hold one group (check_kv_plan).
-Where each process runs is system/devices.py's.
-
-train.py and lesson.py call one of these per line of their setup; this file says how each works.
+What guards a run before anything expensive starts: every check here runs before the generator
+(and, where it can, before torch) loads, so that a mistake costs seconds, not the minutes of a
+model load and an engine start. It protects the user from a typo in a flag or a file that
+surfaces ten minutes in, or as a traceback (config.check_config, check_model and
+data.load_splits: one line, exit code 2, via data.UsageError); vLLM capping answers without a
+word, or refusing in the generator after its start (check_budget); a trainer that runs out of
+GPU memory after the model loaded (check_memory_plan); and a KV cache that cannot hold one group
+(check_kv_plan). Where each process runs is system/devices.py's. train.py and lesson.py call
+one of these per line of their setup; this file says how each works.
 """
 
 import os
@@ -120,30 +114,28 @@ def memory_plan(cfg, config, logit_chunk_bytes, world=1):
 
 
 def push_plan(state_dict, on_gpu, world=1, backend="nccl"):
-    """What a push holds on trainer rank 0's device (bytes by item), read off the state dict it
-    sends (ranks.weights: every tensor, a tied one under each of its names: Qwen3-0.6B's
-    lm_head.weight is its embedding again, 0.31 GB of bf16 that parameters() counts once).
-    Each tensor goes out as a new tensor in the generator's dtype (bf16 on a GPU), or under
-    FSDP2 as the float32 tensor gathered from the shards (DTensor.full_tensor); one float32
-    rank on CPU sends its parameters themselves. system.push.send_weights holds a copy until it
-    has gone out and its checksum has been read, at most PUSH_SEND_BYTES besides the next one it
-    makes (the largest: the embedding), and GeneratorHandle.settle lets the rest go: the next
-    step's optimizer step, so they are held through that step's forward and backward (test_gpu_check
-    runs send_weights on the meta device against this). Over gloo from a GPU each tensor is moved
-    to host memory as it is posted: the device holds one at a time. Under FSDP2 rank 0 also
-    holds, while it makes the tensor it sends, the float32 tensor it gathered: one at a time,
-    the largest the embedding (0.62 GB for Qwen3-0.6B, 1.56 GB for Qwen3-4B)."""
+    """What a push holds on trainer rank 0's device (bytes by item), read off the state dict it sends."""
+    # ranks.weights sends every tensor, a tied one under each of its names: Qwen3-0.6B's lm_head.weight
+    # is its embedding again, 0.31 GB of bf16 that parameters() counts once
     sizes = [t.numel() for t in state_dict.values()]
     item = 2 if on_gpu else 4  # the generator's dtype: bf16 on a GPU, float32 on CPU
-    copies = on_gpu or world > 1  # else the parameters themselves go out
+    # each tensor goes out as a new tensor in that dtype, or under FSDP2 as the float32 tensor gathered
+    # from the shards (DTensor.full_tensor); one float32 rank on CPU sends its parameters themselves
+    copies = on_gpu or world > 1
     if not copies:
         held = 0
-    elif backend != "nccl" and on_gpu:
-        held = item * max(sizes)
+    elif backend != "nccl" and on_gpu:  # over gloo each tensor moves to host memory as it is posted
+        held = item * max(sizes)  # the device holds one at a time
     else:
+        # system.push.send_weights holds a copy until it has gone out and its checksum has been read:
+        # at most PUSH_SEND_BYTES besides the next one it makes (the largest: the embedding).
+        # GeneratorHandle.settle lets the rest go at the next optimizer step, so they are held through
+        # that step's forward and backward (test_gpu_check runs send_weights on the meta device against this)
         held = min(PUSH_SEND_BYTES + item * max(sizes), item * sum(sizes))
     plan = {"the push's copies (until the next optimizer step)": held}
     if world > 1 and on_gpu:  # on CPU the float32 tensor gathered is the one sent: among the copies
+        # while rank 0 makes the tensor it sends, the float32 one it gathered: one at a time, the largest
+        # the embedding (0.62 GB for Qwen3-0.6B, 1.56 GB for Qwen3-4B)
         plan["the push's FSDP2 gather (fp32, one tensor)"] = 4 * max(sizes)
     return plan
 

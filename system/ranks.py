@@ -1,25 +1,9 @@
 """
 Several trainer ranks under torchrun: the model sharded with FSDP2, each rank its share
 of the batch, the push gathered from the shards, checkpoints of sharded optimizer state.
+With one process every method here is a no-op or the identity.
 
     torchrun --nproc_per_node 2 train.py --engines 2 ...     # 2 trainer ranks, 2 generator engines
-
-With one process every method here is a no-op or the identity. With K ranks:
-
-- rank 0 is train.py as a student reads it: it spawns the engines, reads the sample queue,
-  forms each batch, scores it and hands each rank its share (scatter: answers balanced by
-  tokens). Ranks 1..K-1 run train.follow: a share, the same optimizer step, help gather.
-- The loss stays the mean over the whole batch: rank 0 weighs each answer's tokens for the
-  whole batch before it splits it, and FSDP2's reduce-scatter sums the ranks' gradients
-  (set_gradient_divide_factor(1), as torchtitan): the gradient does not depend on K.
-- FSDP2's gathers are collectives: every rank runs as many micro-batches as the busiest.
-- The push: every rank gathers each tensor in the same order (DTensor.full_tensor()); rank 0
-  broadcasts it, and waits for that broadcast before the next gather, and for the whole push
-  before the next step: two NCCL communicators busy at once on rank 0's GPU is what NCCL does not
-  support (interleaved, they deadlocked NCCL past two ranks: TRL issues 6797 and 7103).
-- Checkpoints: rank 0 writes the Hugging Face directory; the optimizer's shards go to
-  ckpt/optimizer/ with torch.distributed.checkpoint, which reshards on load, so --resume works
-  at any number of ranks (not across 1 and K > 1).
 """
 
 import os
@@ -57,6 +41,9 @@ class Ranks:
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # rank 0 is train.py as a student reads it: it spawns the engines, reads the sample queue, forms
+        # each batch, scores it and hands each rank its share (scatter); ranks 1..K-1 run train.follow:
+        # a share, the same optimizer step, help gather
         self.is_main = self.rank == 0
         self.mesh = self.objects = None
 
@@ -93,6 +80,9 @@ class Ranks:
         for layer in model.get_decoder().layers:
             fully_shard(layer, mesh=self.mesh)
         fully_shard(model, mesh=self.mesh)
+        # the loss stays the mean over the whole batch: rank 0 weighs each answer's tokens for the whole
+        # batch before it splits it (scatter), and FSDP2's reduce-scatter sums the ranks' gradients (as
+        # torchtitan), so the gradient does not depend on K
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # a plain sum (gloo has no PREMUL_SUM, which a
@@ -141,6 +131,7 @@ class Ranks:
                 r = tokens.index(min(tokens))
                 shares[r].append(i)
                 tokens[r] += len(batch[i]["token_ids"])
+            # FSDP2's gathers are collectives: every rank runs as many micro-batches as the busiest
             n_micro = max(count_micro_batches([batch[i] for i in idx if adv[i] != 0]) for idx in shares)
             parts = [([batch[i] for i in idx], adv[idx].cpu(), weights[idx].cpu(), n_micro) for idx in shares]
         out = [None]
@@ -175,8 +166,11 @@ class Ranks:
         whole model."""
         state = model.state_dict()  # DTensors under FSDP2: their shapes are the full ones
 
-        # a DTensor is all-gathered (on NCCL full_tensor returns once the gather is queued; the stream orders
-        # the broadcast after it, and send_weights(serial) the next gather after the broadcast), held by the push alone
+        # every rank gathers each tensor in the same order; a DTensor is all-gathered (on NCCL full_tensor
+        # returns once the gather is queued; the stream orders the broadcast after it), held by the push alone.
+        # Rank 0 waits for each broadcast before the next gather (send_weights(serial)) and for the whole push
+        # before the next step (GeneratorHandle.push): two NCCL communicators busy at once on rank 0's GPU is
+        # what NCCL does not support (interleaved, they deadlocked NCCL past two ranks: TRL issues 6797, 7103)
         def tensors():
             for t in state.values():
                 yield (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype)
@@ -194,6 +188,8 @@ class Ranks:
     def save_optimizer(self, model, opt, path):
         """K > 1: every rank writes its optimizer shards to path/optimizer/
         (torch.distributed.checkpoint); one rank: nothing here (trainer_state.pt has it)."""
+        # rank 0 writes the Hugging Face directory (checkpoint.save_checkpoint); DCP reshards on load, so
+        # --resume works at any number of ranks (not across 1 and K > 1: load_optimizer refuses)
         if self.world == 1:
             return
         import torch.distributed.checkpoint as dcp

@@ -138,45 +138,28 @@ def checksum(t):
 
 
 def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES, serial=False):
-    """Once every engine has joined the push (an allreduce: it completes when the last
-    one arrives; drain's wait, which this holds the trainer for), post a broadcast of every
-    tensor from rank 0 and the acknowledgement (an allreduce of the versions the workers
-    load, which they add once every tensor has arrived) without waiting for them: the
-    process group moves them on its own threads (gloo) or stream (NCCL) while the trainer
-    goes on. A tensor posted is held until it has gone out and its checksum has been read:
-    past `budget` bytes held (PUSH_SEND_BYTES; preflight.push_plan), the trainer waits for the
-    oldest (the CPU waits, so on NCCL too at most the budget is queued, and the next step's
-    forward is not queued behind the rest of the push). Every wait is wait()'s, with `check`
-    (raises when a peer is gone). Returns (done, finish): done() says whether the ack is in,
-    finish() waits for it and returns (the ack: the versions and the checksums of what
-    arrived, summed over the engines; the checksum of what was sent; the positions of the
-    tensors that changed while the push was in flight). With `serial` (several trainer ranks), each
-    broadcast is waited for before the next tensor is taken, which gathers it over the trainer ranks' group.
-
-    Every tensor sent must stay unchanged until finish(): with one trainer rank and the
-    generator's dtype they are the parameters themselves, which the next optimizer step
-    overwrites. The guard has two parts, neither on the trainer's thread beyond a counter:
-    - a change: the version counter (torch's `_version`, which an in-place op on a tensor or
-      a view of it increments: the optimizer's step, a load_state_dict) of every tensor that
-      something else holds too (shared: a parameter) is noted as it is posted and compared in
-      finish(); a copy made for the push (bf16, gathered, on the host) is the push's alone, and
-      is let go once it has gone out. What bumps no counter is refused at start (check_guard).
-    - what arrived: checksum() of every tensor, read by a thread of its own as the tensors
-      are posted (one read of the model: ~0.07x a raw broadcast on CPU, where gloo moves
-      ~1.3 GB/s; on a GPU its launches), against the engines' checksums of what they
-      received. Read after posting, it may read a tensor before or after it went out; both
-      reads see the same bytes unless the tensor changed in between, which the counter
-      shows. So a push that arrives other than it was sent raises in settle either way."""
+    """Post the push once every engine has joined it (every tensor broadcast from rank 0, then the
+    engines' acknowledgement) without waiting for it; returns (done, finish): done() says whether the
+    ack is in, finish() waits for it and returns (the ack: the versions and the checksums of what
+    arrived, summed over the engines; the checksum of what was sent; the positions of the tensors
+    that changed while the push was in flight)."""
     import collections
     import torch
 
-    wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)  # "all here"
+    # every wait is wait()'s, with `check` (it raises when a peer is gone). "All here": an allreduce that
+    # completes when the last engine joins; drain's wait (its answers in flight finish first) holds the trainer here
+    wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)
     works, held = collections.deque(), 0  # (bytes, work) posted, oldest first; bytes not yet gone out and read
+    # Every tensor sent must stay unchanged until finish(): with one trainer rank and the generator's dtype
+    # they are the parameters themselves, which the next optimizer step overwrites. Two guards, neither on
+    # the trainer's thread beyond a counter: `posted` sees a change, `sent` what arrived (settle raises on either)
     sent = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor, added up
     posted = []  # (position, tensor, its version counter when posted) of the tensors something else holds
     to_read, read = queue.SimpleQueue(), threading.Semaphore(0)  # the reader's tensors; one release per tensor read
 
-    def read_all():  # the checksums, off the trainer's thread (torch's kernels release the GIL)
+    # the checksums, off the trainer's thread (torch's kernels release the GIL): one read of the model, ~0.07x
+    # a raw broadcast on CPU, where gloo moves ~1.3 GB/s; on a GPU its launches
+    def read_all():
         while (t := to_read.get()) is not None:
             sent.add_(checksum(t))
             del t  # let it go before saying it was read
@@ -185,6 +168,9 @@ def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES, serial=F
     reader = threading.Thread(target=read_all, name="push-checksum", daemon=True)
     reader.start()
 
+    # a tensor posted is held until it has gone out and its checksum has been read: past `budget` bytes held
+    # (PUSH_SEND_BYTES; preflight.push_plan) the CPU waits for the oldest, so on NCCL too at most the budget
+    # is queued, and the next step's forward is not queued behind the rest of the push
     def room(size):  # until `size` more bytes fit the budget: the oldest gone out, and read
         nonlocal held
         while works and held + size > budget:
@@ -199,16 +185,27 @@ def send_weights(group, tensors, device, check, budget=PUSH_SEND_BYTES, serial=F
             t = t.to(device).contiguous()
             size = t.numel() * t.element_size()
             room(size)
+            # torch's version counter of a tensor something else holds (a parameter), which an in-place op on
+            # it or a view of it bumps (the optimizer's step, a load_state_dict): compared in finish(). A copy
+            # made for the push (bf16, gathered, on the host) is the push's alone, let go once it has gone out;
+            # what bumps no counter is refused at start (check_guard)
             if shared(t):
                 posted.append((i, t, t._version))
-            works.append((size, group.broadcast(t, root=0)))  # the work keeps its tensor until it completes
+            # posted, not waited for: the group moves it on its own threads (gloo) or stream (NCCL) while the
+            # trainer goes on; the work keeps its tensor until it completes
+            works.append((size, group.broadcast(t, root=0)))
+            # read after posting, the checksum may see the tensor before or after it went out: the same bytes
+            # unless it changed in between, which its counter shows; so a push that arrives other than it was
+            # sent raises in settle either way
             to_read.put(t)
             held += size
-            if serial:  # the next tensor's gather runs on the trainer ranks' NCCL communicator, and NCCL does
-                room(math.inf)  # not support two busy at once on one device (rank 0's): this one done first
+            # serial (several trainer ranks): the next tensor's gather runs on the trainer ranks' NCCL
+            # communicator, and NCCL does not support two busy at once on one device (rank 0's): this one done first
+            if serial:
+                room(math.inf)
     finally:
         to_read.put(None)  # the reader ends: on an error too
-    ack = torch.zeros(3, dtype=torch.int64, device=device)  # each engine adds its version and checksums
+    ack = torch.zeros(3, dtype=torch.int64, device=device)  # each engine's version and checksums, sent once all arrived
     works.append((0, group.allreduce(ack)))
 
     def finish():

@@ -5,13 +5,15 @@ and how many layers' KV must be recomputed to get it back?
     python lab/study.py                                           # tiny model + synth, CPU, ~20 s
     python lab/study.py --model Qwen/Qwen3-0.6B --dataset gsm8k   # one GPU (--data-file: GSM8K offline)
 
-Published (Qwen3-0.6B, GSM8K, the second command): the stale cache undoes >80% of
-the update over the first 8 tokens after the switch and ~49% after token 32; one
-optimizer step at lr 1e-6 moves the policy ~5e-5 nats/token; recomputing the KV of
-the first 14 of 28 layers removes ~10% of the stale divergence, the first 21 ~83%.
-Expected GPU time ~3 min on one H100/H200 plus the download, bound by latency, not
-FLOPs: HF `generate` of 32 x 8 answers for up to 512 steps, then 7 forwards per
-answer one answer at a time (2 full + 5 spliced, 28 layers of small kernels each).
+Not run here: the second command has never run (no GPU has run this project), and no data
+file holds a Qwen3-0.6B result. This file's first version (780166e) stated figures for it with
+no run behind them, kept as claims for a GPU user to check (--record puts a run on
+lab/data/study.jsonl): the stale cache undoes >80% of the update over the first 8 tokens after
+the switch and ~49% after token 32; one optimizer step at lr 1e-6 moves the policy ~5e-5
+nats/token; recomputing the KV of the first 14 of 28 layers removes ~10% of the stale
+divergence, the first 21 ~83%. Its GPU time is an estimate, not a measurement: ~3 min on one
+H100/H200 plus the download, bound by latency, not FLOPs (HF `generate` of 32 x 8 answers for
+up to 512 steps, then 7 forwards per answer one answer at a time: 2 full + 5 spliced).
 The tiny model shows the same shape with smaller numbers and a wide spread across
 --seed: few of its answers are right, so the update rests on a handful of groups.
 

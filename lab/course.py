@@ -197,10 +197,7 @@ def cells(name, labels, key):
 
 TABLES = {f"course-{name}": functools.partial(table, name) for name in EXPERIMENTS}
 VALUES = {  # the course's numbers from its tables: the worked examples, the sentences under the tables
-    "sync-pace": lambda: f"{regime('sync')['steps_per_min']:.1f}",
-    "stale-pace": lambda: f"{regime('stale')['steps_per_min']:.1f}",
-    "stale-lag": lambda: f"{regime('stale')['lag']:.2f}",  # and the worked examples' lags
-    "drain-lag": lambda: f"{regime('drain')['lag']:.2f}",
+    "drain-lag": lambda: f"{regime('drain')['lag']:.2f}",  # and the worked example's
     "drain-idle": lambda: f"{100 * regime('drain')['gen_idle']:.0f}%",  # the README's regimes table
     "sync-idle": lambda: f"{100 * regime('sync')['gen_idle']:.0f}%",
     "speed-x2-stale": cell("speed", "(x2)", "stale", fmt="{:.1f}%"),  # the course's sentences under its tables

@@ -9,8 +9,10 @@ What is counted: the sitting's own text; the README up to the section its first 
 course's Concepts, which the README links there; the course's sections the sitting's own text
 links to (Concepts' links lead to later sittings, as the sitting says); every line (docstrings and comments included:
 a reader reads them) of the functions its code steps list; and the docstrings of the functions its
-last step names, met on the way (their bodies are not read). Prose at PROSE_PACE words a minute,
-code at CODE_PACE lines, then the install and the run.
+last step names, met on the way (their bodies are not read); the figures those pages show; the lines
+of the run's output the sitting asks to read. Prose at PROSE_PACE words a minute, code and output at
+CODE_PACE lines, FIGURE_MINUTES a figure, then the install and the run. The rates are a fresh reader's
+for technical prose and code (issue 76); the count says what the sitting costs, it is not a target.
 """
 
 import ast
@@ -19,11 +21,12 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COURSE = os.path.join(ROOT, "docs", "course.md")
-PROSE_PACE = 150  # words of prose a minute
-CODE_PACE = 5  # lines of code a minute, a student reading to understand
+PROSE_PACE = 100  # words of technical prose a minute, read to understand
+CODE_PACE = 4  # lines of code a minute, a student reading to understand (a line of the run's log too)
+FIGURE_MINUTES = 5  # a figure read once: its panels, its legend and its caption (docs/regimes.png has 16 keys)
+OUTPUT_LINES = 12  # the run's lines the sitting asks to read: step 0's evaluation, steps 1-10, step 60
 INSTALL_MINUTES = 3  # bash install_cpu.sh from a clone: 2-3 minutes (lab/RESULTS.md, How long things take)
 RUN_MINUTES = 2  # the sitting's run, lesson.py --preset long --regime stale, on 2 cores (the same table)
-LIMIT = 90
 
 
 def part():
@@ -99,9 +102,14 @@ def linked_sections(text, course):
     return out
 
 
+def figures(markdown):
+    """The figures a reader meets in markdown: its images."""
+    return len(re.findall(r"!\[[^\]]*\]\(", markdown))
+
+
 def counts():
-    """{"steps": [(file, names, kind, lines)], "words", "lines", "prose", "code", "total"}: minutes
-    rounded up, the total with the install's and the run's."""
+    """{"steps": [(file, names, kind, lines)], "words", "lines", "figures", "prose", "code", "output",
+    "total"}: minutes rounded up, the total with the figures', the install's and the run's."""
     text = part()
     upto = re.search(r"^1\. \*\*The README, up to \*([^*]+)\*\*\*", text, flags=re.M)
     if not upto:
@@ -111,18 +119,21 @@ def counts():
     course = open(COURSE).read()
     concepts = course[course.index("\n## Concepts\n") :]
     concepts = concepts[: concepts.index("\n## ", 1)]
-    words = prose_words(text) + prose_words(read) + (prose_words(concepts) if "docs/course.md#concepts" in read else 0)
-    words += sum(prose_words(section) for section in linked_sections(text, course))  # what its steps send you to
+    pages = [text, read, *([concepts] if "docs/course.md#concepts" in read else []), *linked_sections(text, course)]
+    words = sum(prose_words(page) for page in pages)  # the sitting, the README, Concepts, what its steps link to
     counted = [(p, names, kind, code_lines(os.path.join(ROOT, p), names, kind)) for p, names, kind in steps(text)]
     lines = sum(c for *_, c in counted)
-    prose, code = -(-words // PROSE_PACE), -(-lines // CODE_PACE)
+    prose, code, output = -(-words // PROSE_PACE), -(-lines // CODE_PACE), -(-OUTPUT_LINES // CODE_PACE)
+    shown = sum(figures(page) for page in pages)
     return dict(
         steps=counted,
         words=words,
         lines=lines,
+        figures=shown,
         prose=prose,
         code=code,
-        total=prose + code + INSTALL_MINUTES + RUN_MINUTES,
+        output=output,
+        total=prose + code + shown * FIGURE_MINUTES + output + INSTALL_MINUTES + RUN_MINUTES,
     )
 
 
@@ -147,6 +158,9 @@ VALUES = {
     "sitting-prose": value("prose"),
     "sitting-code": value("code"),
     "sitting-total": value("total"),
+    "sitting-figures": lambda: f"{counts()['figures'] * FIGURE_MINUTES}",
+    "sitting-output": value("output"),
+    "sitting-output-lines": lambda: f"{OUTPUT_LINES}",
     "sitting-lesson": step_lines("lesson.py"),
     "sitting-regimes": step_lines("regimes.py"),
     "sitting-docstrings": lambda: f"{sum(n for *_, k, n in counts()['steps'] if k == 'docstrings'):,}",

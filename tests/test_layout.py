@@ -288,19 +288,22 @@ def test_style():
 
 
 @pytest.mark.prose
-def test_the_first_sitting_reads_in_90_minutes():
-    """docs/course.md's first sitting, counted by lab/sitting.py as a student reads it (its text,
-    the README to where it stops, the Concepts, the code it lists and the docstrings it meets, at
-    150 words and 5 lines a minute, with the install and the run), is at most 90 minutes; it reads
-    lesson.py, then regimes.py, then docstrings; and the counts on the page are the count's (the
-    values test_marked rebuilds)."""
+def test_the_first_sitting_is_counted_as_a_student_reads_it():
+    """docs/course.md's first sitting, counted by lab/sitting.py as a fresh reader reads it (its text,
+    the README to where it stops, the Concepts, the code it lists and the docstrings it meets, at 100
+    words and 4 lines a minute; the README's figure; the run's lines it asks to read; the install and
+    the run): it reads lesson.py, then regimes.py, then docstrings; and the counts on the page are the
+    count's (the values test_marked rebuilds). No bound on the total: the count says what the sitting
+    costs, and content is not cut to meet a number (issue 76)."""
     from lab import sitting
 
     c = sitting.counts()
     assert [(p, k) for p, _, k, _ in c["steps"] if k == "code"] == [("lesson.py", "code"), ("regimes.py", "code")]
     assert {p for p, _, k, _ in c["steps"] if k == "docstrings"} == {"pool.py", "grpo.py", "engine.py"}
-    assert (sitting.PROSE_PACE, sitting.CODE_PACE) == (150, 5)
-    assert c["total"] == c["prose"] + c["code"] + sitting.INSTALL_MINUTES + sitting.RUN_MINUTES <= sitting.LIMIT == 90
+    assert (sitting.PROSE_PACE, sitting.CODE_PACE, sitting.FIGURE_MINUTES) == (100, 4, 5)
+    assert c["figures"] >= 1, "the README's figure is on the sitting's path"
+    minutes = c["figures"] * sitting.FIGURE_MINUTES + sitting.INSTALL_MINUTES + sitting.RUN_MINUTES
+    assert c["total"] == c["prose"] + c["code"] + c["output"] + minutes
     page = re.sub(r"\s+", " ", sitting.part())
     assert f"<!--sitting-total-->{c['total']}<!---->" in page, "the page's total is not the count's"
 

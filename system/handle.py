@@ -6,7 +6,9 @@ the watchdog's (system/watchdog.py).
 
 import os
 import queue
+import threading
 import time
+from typing import Callable, NamedTuple
 
 from engine import as_tensors
 from system.generator import generator_main
@@ -62,6 +64,15 @@ TORCHRUN_ENV = (
 )
 
 
+class Pending(NamedTuple):
+    """A push posted and not yet settled (push with wait=False; settle)."""
+
+    done: Callable  # whether every engine has acknowledged it
+    finish: Callable  # waits for the acknowledgement: (the ack, the checksums sent, the tensors changed)
+    watchdog: threading.Timer  # the push's timer thread: Watchdog.push_stalled, unless settled first
+    specs: list  # (name, dtype, shape) of every tensor sent, in order
+
+
 def trainer_ranks():
     """The trainer ranks in this process's default group (torchrun's: FSDP2's collectives); 1 without one.
     The weight group, made by vLLM's stateless helper, is not it."""
@@ -70,7 +81,7 @@ def trainer_ranks():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-class GeneratorHandle(Watchdog):
+class GeneratorHandle:
     """Trainer side: spawns the generator engines (one by default), pushes weights to
     all of them at once, receives their samples and events on one queue, and turns any
     death of an engine into an exception that carries its own traceback."""
@@ -115,17 +126,15 @@ class GeneratorHandle(Watchdog):
         self.stats = dict(cfg.get("start_stats") or {})  # the generators' counters (summed), as samples carry them
         self.engine_stats = [dict(self.stats) if i == 0 else {} for i in range(self.n)]
         self.transfer_device = cfg["trainer_device"] if cfg["sync_backend"] == "nccl" else "cpu"
-        self.last_seen = [time.time()] * self.n  # when each engine last sent anything (stall watchdog)
-        self.last_msg, self.last_event = [(time.time(), "nothing yet")] * self.n, [None] * self.n
-        self.stall_report = None
+        self.watchdog = Watchdog(cfg, self.procs, self.samples_q, self.joined)  # what it reports when one fails
         self.send_budget = PUSH_SEND_BYTES  # bytes a push may hold in flight (send_weights)
-        self.pending = None  # the push in flight: (done, finish, its watchdog, specs) (push with wait=False)
+        self.pending = None  # the push in flight, a Pending (push with wait=False)
         self.broke = False  # a push broke (push_broke): engines still in it wait on a dead peer
         infos = {}
         try:
             while len(infos) < self.n:
                 if (msg := self.get(timeout=START_TIMEOUT_S)) is None:
-                    self.stalled(START_TIMEOUT_S, [i for i in range(self.n) if i not in infos])
+                    raise self.watchdog.stalled(START_TIMEOUT_S, [i for i in range(self.n) if i not in infos])
                 assert msg[0] == "engine_ready", msg[0]
                 infos[msg[1]["engine"]] = msg[1]
             # the KV cache's size (preflight.check_kv_plan): the smallest engine's
@@ -146,15 +155,15 @@ class GeneratorHandle(Watchdog):
 
         def check():
             if dead := [i for i, p in enumerate(self.procs) if not p.is_alive()]:
-                self.died(dead[0], " while the weight group formed")
+                raise self.watchdog.died(dead[0], " while the weight group formed")
             if not all_in and all(j.value >= self.version for j in self.joined):
                 all_in.append(time.time())
             if all_in and time.time() - all_in[0] > FIRST_COLLECTIVE_S:
                 how = "in the weight group's first collective with every engine (NCCL's communicator init)"
-                raise GeneratorDied(self.stop_stalled(FIRST_COLLECTIVE_S, how))
+                raise GeneratorDied(self.watchdog.stop_stalled(FIRST_COLLECTIVE_S, how))
             if time.time() - t0 > bound:
-                late = [i for i in range(self.n) if self.joined[i].value < self.version]
-                raise GeneratorDied(self.stop_stalled(bound, "not in the weight group", late or None))
+                late = self.watchdog.late(self.version)
+                raise GeneratorDied(self.watchdog.stop_stalled(bound, "not in the weight group", late or None))
 
         try:
             group = watched(
@@ -168,7 +177,7 @@ class GeneratorHandle(Watchdog):
         except GeneratorDied:
             raise
         except RuntimeError as e:  # gloo: a peer's death fails the collective, maybe before this thread sees it
-            self.lost(e, " while the weight group formed")
+            raise self.watchdog.lost(e, " while the weight group formed")
         return group
 
     def next(self):
@@ -178,9 +187,8 @@ class GeneratorHandle(Watchdog):
             bound = self.stall_bound()
             if (msg := self.get(timeout=1.0)) is not None:
                 return msg
-            silent = [i for i in range(self.n) if time.time() - self.last_seen[i] > bound]
-            if silent:
-                self.stalled(bound, silent)
+            if silent := self.watchdog.silent(bound):
+                raise self.watchdog.stalled(bound, silent)
 
     def evaluate(self, prompts, max_tokens):
         """Greedy answers of `prompts` under the generators' weights, as (token ids, finish
@@ -200,7 +208,7 @@ class GeneratorHandle(Watchdog):
                     return [a for i in range(self.n) for a in results[i]], other
             else:
                 other.append(msg)
-        self.stalled(timeout, [i for i in range(self.n) if i not in results])
+        raise self.watchdog.stalled(timeout, [i for i in range(self.n) if i not in results])
 
     def get(self, timeout):
         """Next (kind, item) from the generators, or None after `timeout` seconds."""
@@ -211,24 +219,21 @@ class GeneratorHandle(Watchdog):
             except queue.Empty:
                 for i, proc in enumerate(self.procs):
                     if not proc.is_alive():
-                        self.died(i, "")
+                        raise self.watchdog.died(i, "")
                 if time.time() >= deadline:
                     return None
                 continue
             except (EOFError, OSError) as e:  # a message cut off by its sender's death
-                self.died(
+                raise self.watchdog.died(
                     next((i for i, p in enumerate(self.procs) if not p.is_alive()), 0),
                     f" ({type(e).__name__} reading its queue)",
                 )
             if kind == "error":
-                self.died(item[0], "", {item[0]: item[1]})
+                raise self.watchdog.died(item[0], "", {item[0]: item[1]})
             i = item if kind == "alive" else item.get("engine", 0)
-            self.last_seen[i] = time.time()
+            self.watchdog.heard(i, kind, item)
             if kind == "alive":
                 continue
-            self.last_msg[i] = (time.time(), kind)
-            if kind == "event":
-                self.last_event[i] = item
             if kind == "sample":  # numpy arrays (Rollout.to_sample) -> tensors, sharing their memory
                 item = as_tensors(item)
                 self.engine_stats[i] = item["gen_stats"]
@@ -241,71 +246,72 @@ class GeneratorHandle(Watchdog):
             return kind, item
 
     def push(self, specs, tensors=None, rejected=0, wait=True):
-        """Broadcast new weights to every engine: `specs` (weight_specs) first, then the
-        tensors, in that order (or a state dict alone, both at once), and how many
-        groups the trainer's pool has rejected (they no longer count as admitted). Blocks
-        until every engine has joined the push: a regime that makes its engine wait (drain:
-        until its answers in flight finish) holds the trainer here, waiting for the engine
-        with the longest tail, idle -- part of the sync time the trainer reports. Then the
-        tensors go out on the process group's threads (send_weights): with wait=False this
-        returns at once, and settle() must be called before anything changes the tensors
-        (train.py: before the next optimizer step); by default it settles here. Each engine
-        loads them before its next engine step. A push not acknowledged within
-        stall_bound() seconds means a stuck engine: a watchdog thread stops the engines that
-        never joined it (push_stalled), which breaks the broadcast, and the stall report,
-        naming them, is raised. Returns the new version. With several trainer ranks it settles here
-        whatever `wait` says: the next step's FSDP2 collectives would run beside this push's broadcasts
-        on rank 0's GPU, two NCCL communicators busy at once, which NCCL does not support."""
-        import threading
-
+        """Broadcast new weights to every engine: `specs` (weight_specs) first, then the tensors (or a
+        state dict alone, both at once), and how many groups the trainer's pool has rejected (they no
+        longer count as admitted). Returns the new version; with wait=False it returns once the tensors
+        are posted, and settle() must be called before anything changes them (train.py: before the
+        next optimizer step)."""
         if tensors is None:
             specs, tensors = weight_specs(specs), specs.values()
         several = trainer_ranks() > 1  # each tensor is gathered over the ranks' group as it is taken
         self.settle()
         timeout = self.stall_bound()
         self.version += 1
-        for q in self.control_qs:
+        for q in self.control_qs:  # each engine loads the weights before its next engine step
             q.put(("weights", self.version, specs, rejected))
-        watchdog = threading.Timer(timeout, self.push_stalled, (timeout,))
+        # a push not acknowledged within stall_bound() seconds means a stuck engine: this thread stops the
+        # engines that never joined it, which breaks the broadcast, and the stall report, naming them, is raised
+        acknowledged = lambda: self.pending is not None and self.pending.done()
+        watchdog = threading.Timer(timeout, self.watchdog.push_stalled, (timeout, self.version, acknowledged))
         watchdog.daemon = True
         watchdog.start()
         try:
-            self.pending = (
-                *send_weights(
-                    self.group,
-                    tensors,
-                    self.transfer_device,
-                    self.check_engines,
-                    self.send_budget,
-                    serial=several,
-                ),
-                watchdog,
-                specs,
+            # blocks until every engine has joined: a regime that makes its engine wait (drain: until its
+            # answers in flight finish) holds the trainer here, idle until the engine with the longest tail
+            # joins (part of the sync time the trainer reports); then the tensors go out on the process
+            # group's threads
+            done, finish = send_weights(
+                self.group, tensors, self.transfer_device, self.watchdog.check_engines, self.send_budget, serial=several
             )
+            self.pending = Pending(done, finish, watchdog, specs)
         except RuntimeError as e:
-            self.push_broke(watchdog, e)
+            raise self.push_broke(watchdog, e)
+        # several trainer ranks settle here whatever `wait` says: the next step's FSDP2 collectives would run
+        # beside this push's broadcasts on rank 0's GPU, two NCCL communicators busy at once, which NCCL does
+        # not support
         if wait or several:
             self.settle()
         return self.version
 
+    def push_broke(self, watchdog, e):
+        """A dead peer broke the broadcast (`e`): the error that says why, for the caller to raise."""
+        self.broke = True  # engines still in the push wait on a dead peer: stop() kills them at once
+        watchdog.cancel()
+        watchdog.join()  # a report being written: wait for it
+        return self.watchdog.push_broke(e, f" during the weight broadcast of v{self.version}")
+
     def pushing(self):
         """Whether a push is in flight, not yet acknowledged by every engine."""
-        return bool(self.pending) and not self.pending[0]()
+        return self.pending is not None and not self.pending.done()
+
+    def stall_bound(self):
+        """Seconds an engine may stay silent before we call it stuck (Watchdog.stall_bound)."""
+        return self.watchdog.stall_bound(self.engine_stats)
 
     def settle(self):
         """Wait for the push in flight (none: return at once) until every engine has
         acknowledged it. Returns the seconds it waited."""
-        if not self.pending:
+        if self.pending is None:
             return 0.0
         t0 = time.time()
-        _, finish, watchdog, specs = self.pending
+        push = self.pending
         try:
-            (held, *arrived), sent, changed = finish()
+            (held, *arrived), sent, changed = push.finish()
         except RuntimeError as e:
-            self.push_broke(watchdog, e)
+            raise self.push_broke(push.watchdog, e)
         finally:
             self.pending = None
-        watchdog.cancel()
+        push.watchdog.cancel()
         if held != self.n * self.version:
             raise RuntimeError(
                 f"weight sync: the engines acknowledged versions summing to {held}, not {self.n} x v{self.version}"
@@ -313,7 +319,7 @@ class GeneratorHandle(Watchdog):
         if changed:  # an in-place op on a tensor in flight: settle() must come before the optimizer step
             raise RuntimeError(
                 f"weight sync: {len(changed)} tensor(s) of the push for v{self.version} changed before it was "
-                f"acknowledged ({specs[changed[0]][0]} first): call settle() before anything writes the weights"
+                f"acknowledged ({push.specs[changed[0]][0]} first): call settle() before anything writes the weights"
             )
         if arrived != [self.n * x for x in sent]:  # every engine received every bit the trainer sent
             raise RuntimeError(
@@ -323,8 +329,8 @@ class GeneratorHandle(Watchdog):
         return time.time() - t0
 
     def stop(self):
-        if self.pending:  # a push never settled (the trainer is going down): its engines are stopped below
-            self.pending[2].cancel()
+        if self.pending is not None:  # a push never settled (the trainer is going down): its engines are stopped below
+            self.pending.watchdog.cancel()
         for q, proc in zip(self.control_qs, self.procs):
             if proc.is_alive():
                 q.put(("stop",))

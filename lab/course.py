@@ -35,6 +35,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import marked  # noqa: E402
+from regimes import REGIMES  # noqa: E402
 from system.runlog import per_token, read_jsonl  # noqa: E402
 
 LONG = ("--preset", "long")
@@ -42,7 +43,7 @@ TRAIN_S = 1.01e-4  # lesson.py's default --train-s (tests/test_lesson.py checks 
 EXPERIMENTS = {  # name -> (what it shows, [(label, lesson.py flags)])
     "regimes": (
         "the five regimes on the long preset, at the default costs",
-        [(r, (*LONG, "--regime", r)) for r in ("sync", "drain", "discard", "stale", "recompute")],
+        [(r, (*LONG, "--regime", r)) for r in REGIMES],
     ),
     "speed": (
         "stale tokens against the trainer's speed: --train-s, simulated seconds per trained token, "

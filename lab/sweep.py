@@ -55,6 +55,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the lesson's modules (train, generator, ...), wherever this is run from
+import regimes  # noqa: E402
 from plot import COLOURS as ACTIVITY_COLOURS  # noqa: E402  (its timeline figure: plot.py's colours)
 from system.runlog import per_token, read_jsonl  # noqa: E402
 
@@ -68,7 +69,8 @@ from stats import interval, mean_std, said, show_paired, t_interval, verdict  # 
 # the step-400 tiny-long; lab/archive.md). Earlier long presets' sweeps used 0.44 and 0.61.
 TARGETS = {"default": 0.67, "long": 0.55}
 
-REGIMES = ["sync", "drain", "discard", "stale", "recompute"]
+REGIMES = list(regimes.REGIMES)  # every regime registered, in regimes.py's order (sync first: the claims' base)
+# a regime not named here is drawn in grey
 COLOURS = {"sync": "black", "drain": "tab:orange", "discard": "tab:red", "stale": "tab:blue", "recompute": "tab:green"}
 GENERATOR = [
     "generating",
@@ -581,7 +583,7 @@ def plot_acc(ax, rows, target):
     import numpy as np
 
     for regime, pool, rs in groups(rows):
-        colour, ls = COLOURS[regime], "--" if pool == "pace" else "-"
+        colour, ls = COLOURS.get(regime, "tab:gray"), "--" if pool == "pace" else "-"
         grid = np.linspace(max(r["curve"][0][0] for r in rs), min(r["curve"][-1][0] for r in rs), 100)
         accs = np.array([np.interp(grid, *zip(*r["curve"])) for r in rs])
         label = regime if len({r["pool"] for r in rows}) == 1 else f"{regime} ({pool})"
@@ -623,7 +625,7 @@ def plot_shares(ax, rows, procs):
         labels.append(regime if len({r["pool"] for r in rows}) == 1 else f"{regime}\n{pool}")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     for tick, (regime, _, _) in zip(ax.get_xticklabels(), groups(rows)):
-        tick.set_color(COLOURS[regime])
+        tick.set_color(COLOURS.get(regime, "tab:gray"))
     ax.set_ylim(0, 1.08)
     ax.set_ylabel("share of the process's time")
 

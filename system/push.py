@@ -312,18 +312,11 @@ class WeightReceiver:
         group, check = self.weight_group, self.check_trainer
         wait(group, group.allreduce(torch.zeros((), dtype=torch.int64, device=device)), check)  # all engines here
         joined = time.time() if group.size() > 2 else None  # when the last one came (wait: not when posted)
-        # The engine's memory holds no second copy of the model: vLLM's layerwise reload keeps
-        # a received tensor only until its module (q+k+v, gate+up, an embedding) is complete,
-        # then copies it in place and lets it go (vllm/model_executor/model_loader/reload/
-        # layerwise.py). Each tensor gets a fresh buffer (a reused one would be overwritten
-        # while vLLM still holds it). Besides what vLLM holds (about a module), the buffers
-        # posted and not yet taken are at most `ahead_bytes`, or one tensor when a single one
-        # is larger (preflight.engine_plan). The posting is done here, by the loader's thread:
-        # a receiving thread of our own (tried first) blocked the trainer longer (2.26x a raw
-        # broadcast in bench_sync, one push of 44 s) and grew the engine more (220 MiB above its
-        # start), likely because it needed the GIL after every tensor while the loader ran
-        # Python, and allocated from a malloc arena of its own that the loader's frees never
-        # shrank. The group's own threads need no GIL.
+        # No second copy of the model: vLLM's layerwise reload keeps a received tensor only until its
+        # module is complete, then copies it in place (vllm/model_executor/model_loader/reload/layerwise.py).
+        # A fresh buffer per tensor: a reused one would be overwritten while vLLM still holds it. Posted and
+        # not yet taken: at most `ahead_bytes`, or one larger tensor (preflight.engine_plan). Posted here, on
+        # the loader's thread: a receiving thread of our own needed the GIL after every tensor (lab/archive.md).
         posted = collections.deque()  # (name, buffer, the broadcast's work), in send order
         ahead, done, ack = 0, 0, []  # bytes posted and not taken; tensors taken; the ack's work
         got = torch.zeros(2, dtype=torch.int64, device=device)  # checksum() of every tensor that arrived

@@ -20,7 +20,20 @@ from collections import Counter
 import pytest
 
 from exercise_mutants import ACCEPTED, CHEAP, MUTANTS
-from tools.exercise import EXERCISES, ROOT, SKIP, answer, check, check_jobs, copy_code, find, later, make, replace
+from tools.exercise import (
+    EXERCISES,
+    ROOT,
+    SKIP,
+    UNSAY,
+    answer,
+    check,
+    check_jobs,
+    copy_code,
+    find,
+    later,
+    make,
+    replace,
+)
 
 
 def test_every_grader_fails_on_every_exercise_and_passes_on_the_project(tmp_path):
@@ -151,6 +164,33 @@ def test_no_line_make_removes_stands_in_the_copy(name, tmp_path):
         removed = [x for x in removed if x not in shared]
         assert removed, f"{n}: no line of its answer says anything: this test would check nothing"
         assert not (found := [x for x in removed if x in lines]), f"the copy of {name} holds {n}'s {found}"
+
+
+# Words of an answer that its copy's prose must not hold anywhere (docs, docstrings, comments): UNSAY's
+# rewrites take them out of the places the project says them
+SAID = {"recompute": "kv_version = None"}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", sorted(UNSAY))
+def test_the_copy_says_what_not_how(name, tmp_path):
+    """Where the project's prose states an exercise's answer (recompute's docstring, the contract's entry
+    for kv_version and docs/fork.md said what to set, and when), the copy says what the function does,
+    not how: each UNSAY rewrite finds its place in the project once and leaves none of it in the copy,
+    and the answer's words (SAID) stand in no text file of the copy but as the engine's own code."""
+    copy = tmp_path / "copy"
+    make(name, str(copy))
+    for path, where, new in UNSAY[name]:
+        project, mine = open(os.path.join(ROOT, path)).read(), (copy / path).read_text()
+        if re.fullmatch(r"[\w.]+", where):
+            assert ast.get_docstring(find(ast.parse(mine), where)) == new
+            assert ast.get_docstring(find(ast.parse(project), where)) != new
+        else:
+            assert len(re.findall(where, project, flags=re.M)) == 1, f"{path}: {where!r} no longer in the project"
+            assert not re.findall(where, mine, flags=re.M)
+    engine = {x.strip() for x in open(os.path.join(ROOT, "engine.py"))}
+    said = [x for x in copy_lines(copy) if SAID[name] in x and x not in engine]
+    assert not said, said
 
 
 MIN_NODES = 8  # an expression this big says something: `b * layer * L` (7) is ordinary, `ppo_clip(...)`'s call (8) not

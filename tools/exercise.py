@@ -27,6 +27,7 @@ Generator and lesson.py, not processes that race).
 import argparse
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -124,11 +125,17 @@ EXERCISES = {
             "keeps the answers and their KV, as --regime stale does",
             "return Stale().switch(gen, version, weights)",
         ),
-        task="recompute: take the answers out of vLLM (gen.abort_all) and load the new weights (gen.load_weights), "
-        "in either order, then submit each again (gen.submit), in any order, so one prefill under v+1 rebuilds its "
-        "KV: the partial answer keeps its tokens, logprobs and versions, and Rollout.record must count the prefill "
-        "as a rebuild; return True",
-        hint="Discard.switch is close; what must Rollout.record see to count the rebuild (kv_version)?",
+        task="recompute (AReaL's): once v+1 is loaded, no token of an answer in flight may read KV that v wrote: "
+        "each answer's KV (prompt + partial answer) is written again by v+1 and Rollout.record counts that as a "
+        "rebuild (recomputed_tokens), while the answer keeps its tokens, logprobs and versions (v sampled them) and "
+        "nothing is thrown away; use only what regimes.py's contract lists. The grader runs your switch on a "
+        "stand-in generator and checks: the new weights loaded and no answer left in vLLM before any answer goes "
+        "back in; each answer back once, in any order; its tokens, logprobs and versions as they were, none counted "
+        "discarded; the rebuild visible to Rollout.record on each answer when switch returns; True. Then the tokens "
+        "against Hugging Face's and against vLLM's own reset_prefix_cache",
+        hint="vLLM cannot overwrite a running request's KV: which calls of the contract make it write an answer's KV "
+        "again? Then read Rollout.record: how does it tell the step that wrote an answer's whole KV from a decode "
+        "step?",
         graders=[
             "tests/test_graders.py::test_recompute_switch_by_hand",
             "tests/test_regimes.py::test_recompute_rebuilds_kv",
@@ -164,8 +171,9 @@ EXERCISES = {
         where=("pool.py", "reject_stalest"),
         run=" --pool pace",
         stand_in=("rejects no group: --pool pace takes groups as fifo does", "return []"),
-        task="PACE: reject up to len(pool) - target groups, highest effective staleness first (ties: the group "
-        "that completed first), never leaving fewer than n; return them, removed from the pool",
+        task="PACE: reject up to len(pool) - target groups, highest effective staleness first (of groups tied in "
+        "it, the one that completed first is rejected first), never leaving fewer than n; return the rejected groups "
+        "as a list (any order), each removed from the pool dict",
         hint="effective_staleness and _completed are there to use",
         graders=[
             f"tests/test_pace.py::{t}"
@@ -191,7 +199,8 @@ EXERCISES = {
         ),
         run=" --regime stale",
         task="this copy runs, learns, and is wrong: find what in its metrics.jsonl no asynchronous run can show, "
-        "then the line",
+        "then the line. The graders compare grpo.train_step's loss and gradient, under --loss tis, ppo and cispo, "
+        "with a reference computed apart from grpo.py from the same answers",
         hint="look at behaviour_gap and kl; then at what the loss divides pi by",
         graders=[
             f"tests/test_train.py::test_micro_batched_gradients_equal_whole_batch[{loss}-token-False-nonzero]"
@@ -214,6 +223,31 @@ EXERCISES = {
             "tests/test_lesson.py::test_a_run_is_a_pure_function_of_its_flags[stale]",
         ],
     ),
+}
+# Prose of the copy that states an exercise's answer, said again there without the how (the project
+# keeps its own, for a reader who is not doing the exercise): {exercise: [(file, where, new text)]},
+# where a class's or function's qualname (its docstring is replaced) or a regex over the file (one match).
+UNSAY = {
+    "recompute": [
+        (
+            "regimes.py",
+            "Recompute",
+            "As AReaL does: once v+1 is loaded, the answers in flight go on under v+1 with the KV of their prompt\n"
+            "and partial answer written again by v+1, so no later token reads KV that v wrote. Their tokens keep\n"
+            "their logprobs and versions (v sampled them). Cost: the KV written again (recomputed_tokens).",
+        ),
+        (  # the contract's entry for kv_version said what to set it to, and when
+            "regimes.py",
+            r"^#   rollout\.kv_version = None.*\n(?:# {10,}.*\n)*",
+            "#   rollout.kv_version                  the version whose weights wrote the KV the answer reads now\n"
+            "#                                       (engine.Rollout.record reads it and keeps it)\n",
+        ),
+        (
+            "docs/fork.md",
+            r"sets `rollout\.kv_version = None` before\s+`gen\.submit\(rollout\)`, as `Recompute` does,",
+            "declares it on the answer\n  (`rollout.kv_version`, which `Rollout.record` reads),",
+        ),
+    ],
 }
 SKIP = (".git", ".venv", "out", "__pycache__", ".pytest_cache", ".hypothesis", "smol")
 # What `make` leaves out of the student's copy besides SKIP: the graders and every test
@@ -309,6 +343,26 @@ def stub(dest, name):
         replace(os.path.join(dest, ex["silent"][0]), ex["silent"][1], ex["silent"][2])
 
 
+def unsay(dest, name):
+    """The copy at `dest` with exercise `name`'s UNSAY rewrites made: each must find its place once."""
+    for path, where, new in UNSAY.get(name, ()):
+        path = os.path.join(dest, path)
+        text = open(path).read()
+        if re.fullmatch(r"[\w.]+", where):  # a docstring
+            lines = text.split("\n")
+            doc = find(ast.parse(text), where).body[0]
+            assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), f"{where} has no docstring"
+            indent = " " * doc.col_offset
+            body = [indent + x if x else x for x in new.split("\n")]
+            body[0], body[-1] = indent + '"""' + body[0].lstrip(), body[-1] + '"""'
+            lines[doc.lineno - 1 : doc.end_lineno] = body
+            text = "\n".join(lines)
+        else:
+            assert len(re.findall(where, text, flags=re.M)) == 1, f"{path}: {where!r} is not there once"
+            text = re.sub(where, lambda m: new, text, flags=re.M)
+        open(path, "w").write(text)
+
+
 def stand_in(dest, name):
     """Function exercise `name`'s stand-in in the copy at `dest`: a body that runs and is not
     the answer (EXERCISES' stand_in), so that an earlier exercise's copy runs lesson.py."""
@@ -329,6 +383,7 @@ def make(name, dest):
     functions = [n for n in EXERCISES if "where" in EXERCISES[n]]
     for n in functions if name == ALL else [name]:
         stub(dest, n)
+        unsay(dest, n)
     for n in later(name) if name != ALL else ():
         stand_in(dest, n)
     if os.path.exists(os.path.join(ROOT, ".venv")):  # the project's venv, so that .venv/bin/python runs in the copy

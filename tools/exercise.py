@@ -152,14 +152,18 @@ EXERCISES = {
             "    return self.admitting and not self.inflight and self.next_group < (self.version + 1) * self.cfg["
             '"prompts_per_step"]\nreturn self.admitting and not self.inflight',
         ),
-        task="admit a group only if it is trained at most max_lag versions after the weights that start it: "
-        "self.next_group (groups are numbered from 0 in admission order) below (self.version + max_lag + 1) x "
-        "prompts_per_step + self.budget_offset (the groups the pool has rejected, which leave their places to new "
-        "ones; in the generator process a resumed run's too); only while self.admitting; and only while the KV "
-        "cache, which holds self.kv_answers answers, has room for one more group (group_size answers) beside those "
-        "in flight (self.inflight). max_lag, prompts_per_step and group_size are in self.cfg",
-        hint="the pool trains groups in admission order: batch b (groups b x P to b x P + P - 1) by step b + 1, "
-        "with version b",
+        task="admit a group only if no token of it can be trained more than max_lag versions after the weights "
+        "that sampled it; only while self.admitting; and only while the KV cache, which holds self.kv_answers "
+        "answers, has room for one more group (group_size answers) beside those in flight (self.inflight). "
+        "What you know: self.next_group numbers groups from 0 in admission order; the pool trains them in that "
+        "order, prompts_per_step groups a step; a group the pool rejects leaves its place to a new one "
+        "(self.budget_offset counts them, a resumed run's too); max_lag, prompts_per_step and group_size are in "
+        "self.cfg. The graders check each term by hand (the version, max_lag, prompts_per_step, budget_offset, "
+        "admitting, the KV room, at the edge of each), then lesson.py runs at --max-lag 0 and 1 whose trained "
+        "tokens' lag must stay within the bound",
+        hint="a group admitted while version v is loaded samples no token with weights older than v. Which step "
+        "trains batch b (groups b x prompts_per_step onwards), and which version does the trainer hold then? "
+        "Write the lag of its worst token and keep it at most max_lag",
         graders=[
             "tests/test_graders.py::test_max_lag_admission_bound_by_hand",
             "tests/test_graders.py::test_max_lag_kv_cache_by_hand",
@@ -246,6 +250,30 @@ UNSAY = {
             "docs/fork.md",
             r"sets `rollout\.kv_version = None` before\s+`gen\.submit\(rollout\)`, as `Recompute` does,",
             "declares it on the answer\n  (`rollout.kv_version`, which `Rollout.record` reads),",
+        ),
+    ],
+    "max_lag": [
+        (
+            "engine.py",
+            "Generator.may_admit",
+            "AReaL's staleness bound: admit a group only if no token of it can be trained more than max_lag\n"
+            "versions after the weights that sampled it (a group the pool rejected leaves its place to a new\n"
+            "one: budget_offset), and only while the KV cache has room for one more group (kv_answers).",
+        ),
+        (
+            "pool.py",
+            r"generator admits group g only once g < \(versions loaded \+ max_lag \+ 1\) x prompts_per_step\n"
+            r"\s+# \(engine\.Generator\.may_admit\), so g is trained at most max_lag versions after the weights\n"
+            r"\s+# that started it\.",
+            "generator admits a group only while it can be trained at most max_lag versions after the\n"
+            "        # weights that start it (engine.Generator.may_admit).",
+        ),
+        (
+            "docs/course.md",
+            r"admits group g\s+\(numbered from 0 in admission order\) only while g < \(v \+ k \+ 1\) x P, "
+            r"P = `--prompts-per-step`\s+\(`engine\.Generator\.may_admit`\)\.",
+            "admits a group only while\nnone of its tokens can be trained more than k versions after the weights "
+            "that sampled it\n(`engine.Generator.may_admit`; the bound in groups is the `max_lag` exercise).",
         ),
     ],
 }

@@ -7,7 +7,7 @@ in REGIMES (the contract below); lesson.py and the generator process (system/gen
 | sync      | none (one batch per version)             | nothing                       | generator idles in training |
 | drain     | finish under v, then load                | each answer from one version  | idle slots while draining   |
 | discard   | aborted, tokens and KV thrown away       | nothing spans versions        | discarded tokens            |
-| stale     | continue: v+1 reads KV written by v      | tokens after the switch stale | nothing                     |
+| stale     | continue: v+1 reads KV written by v      | tokens after the switch stale | none in time; stale tokens  |
 | recompute | KV of prompt + partial rebuilt under v+1 | prefix tokens from v          | recomputed (prefill) tokens |
 """
 

@@ -559,8 +559,23 @@ def quoted(i):
     return f"{show_paired((m, lo, hi))}, {verdict(lo, hi)}"
 
 
+def pace_ratios(sweep, a, b):
+    """Steps a minute of regime a over regime b (fifo runs), paired by seed: 'min-max'."""
+    runs = recorded(sweep)
+    r = [
+        x["steps_per_min"] / runs[b, "fifo", s]["steps_per_min"]
+        for (g, p, s), x in runs.items()
+        if (g, p) == (a, "fifo")
+    ]
+    return f"{min(r):.2f}-{max(r):.2f}x"
+
+
 TABLES = {"sweep-finals": finals_table}
-VALUES = {"t-level": lambda: quoted(0), "t-cost": lambda: quoted(1)}  # the README's train.py sentence
+VALUES = {  # the README's train.py sentences
+    "t-level": lambda: quoted(0),
+    "t-cost": lambda: quoted(1),
+    "t-stale-drain-sweep": lambda: pace_ratios("long-3935084", "stale", "drain"),
+}
 
 
 # -----------------------------------------------------------------------------

@@ -251,6 +251,12 @@ UNSAY = {
             r"sets `rollout\.kv_version = None` before\s+`gen\.submit\(rollout\)`, as `Recompute` does,",
             "declares it on the answer\n  (`rollout.kv_version`, which `Rollout.record` reads),",
         ),
+        (  # the memory note said how recompute goes about it
+            "docs/reliability.md",
+            r"`recompute` aborts every answer in flight at\s+each push and re-submits prompt \+ partial answer "
+            r"as a new request;",
+            "`recompute` rebuilds every answer in flight at\n  each push;",
+        ),
     ],
     "max_lag": [
         (

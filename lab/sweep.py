@@ -519,14 +519,19 @@ def recorded(sweep):
     return {(r["regime"], r["pool"], r["seed"]): r for r in marked.read("sweep") if r["sweep"] == sweep}
 
 
-def difference(sweep, a, b):
-    """Final pass@1 of regime a - regime b (fifo runs), in points, paired by seed."""
+def paired(sweep, a, b, key):
+    """[(a's key, b's key)] of regime a's and b's fifo runs, paired by seed; a seed either lacks is left out."""
     runs = recorded(sweep)
     return [
-        100 * (x["acc1"] - runs[b, "fifo", s]["acc1"])
+        (x[key], runs[b, "fifo", s][key])
         for (r, p, s), x in sorted(runs.items())
         if (r, p) == (a, "fifo") and (b, "fifo", s) in runs
     ]
+
+
+def difference(sweep, a, b):
+    """Final pass@1 of regime a - regime b (fifo runs), in points, paired by seed."""
+    return [100 * (x - y) for x, y in paired(sweep, a, b, "acc1")]
 
 
 # the comparisons the pages quote, each one of analysis()'s claims for its sweep: (sweep, a, b)
@@ -561,12 +566,7 @@ def quoted(i):
 
 def pace_ratios(sweep, a, b):
     """Steps a minute of regime a over regime b (fifo runs), paired by seed: 'min-max'."""
-    runs = recorded(sweep)
-    r = [
-        x["steps_per_min"] / runs[b, "fifo", s]["steps_per_min"]
-        for (g, p, s), x in runs.items()
-        if (g, p) == (a, "fifo")
-    ]
+    r = [x / y for x, y in paired(sweep, a, b, "steps_per_min")]
     return f"{min(r):.2f}-{max(r):.2f}x"
 
 

@@ -297,7 +297,8 @@ def test_record_keeps_each_run_once_and_the_quoted_difference_is_paired(tmp_path
     """sweep.record: a line per finished run in lab/data/sweep.jsonl (here in tmp_path), its
     right answers exact, recorded once however often the sweep is tabled; difference() pairs
     by seed and leaves out a seed one regime lacks: by hand, 100 x (0.75 - 0.5) = +25 at seed
-    0 and 100 x (0.5 - 0.5) = 0 at seed 1; seed 2 has stale only."""
+    0 and 100 x (0.5 - 0.5) = 0 at seed 1; seed 2 has stale only. pace_ratios pairs the same
+    way: 30/20 and 20/20 steps a minute."""
     from lab import sweep
 
     marked = sweep.marked  # the module sweep writes through (tools/ on its path: not tools.marked)
@@ -306,13 +307,16 @@ def test_record_keeps_each_run_once_and_the_quoted_difference_is_paired(tmp_path
     monkeypatch.setattr(marked, "write", lambda tables, values, **kw: written.append(sorted(tables | values)) or [])
     run = {k: 0.0 for k in sweep.KEPT} | dict(pool="fifo", cfg=dict(eval_n=16))
     finals = {("stale", 0): 0.75, ("stale", 1): 0.5, ("stale", 2): 0.25, ("sync", 0): 0.5, ("sync", 1): 0.5}
-    rows = [run | dict(regime=r, seed=s, acc1=v) for (r, s), v in finals.items()]
+    pace = {("stale", 0): 30.0, ("stale", 1): 20.0, ("stale", 2): 99.0, ("sync", 0): 20.0, ("sync", 1): 20.0}
+    rows = [run | dict(regime=r, seed=s, acc1=v, steps_per_min=pace[r, s]) for (r, s), v in finals.items()]
     sweep.record(rows, "t", "default")
     sweep.record(rows, "t", "default")
     lines = [json.loads(x) for x in open(tmp_path / "sweep.jsonl")]
-    assert len(lines) == 5 and written == [["sweep-finals", "t-cost", "t-level"]] * 2
+    assert len(lines) == 5 and written == [sorted(sweep.TABLES | sweep.VALUES)] * 2
+    assert {"sweep-finals", "t-cost", "t-level"} <= set(written[0])
     assert [x["right"] for x in lines] == [12, 8, 4, 8, 8] and {x["sweep"] for x in lines} == {"t"}
     assert sweep.difference("t", "stale", "sync") == [25.0, 0.0]
+    assert sweep.pace_ratios("t", "stale", "sync") == "1.00-1.50x"  # seed 2 left out, as in difference
 
 
 def test_frontier_counts_its_intervals_by_hand():

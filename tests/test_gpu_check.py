@@ -334,6 +334,12 @@ def test_memory_plan_on_a_gpu_shared_with_an_engine(monkeypatch, capsys):
         check_memory_plan(cfg, 2**20)
     check_memory_plan(dict(cfg, gen_devices=["cpu"]), 2**20)  # the same GPU, the engine elsewhere: fits
     assert "trainer memory plan" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), dict(total_memory=80 * 2**30)))
+    check_memory_plan(dict(cfg, gen_devices=["cuda:1"]), 2**20)  # an engine on a GPU: its share of the card
+    assert "vLLM's share of its GPU (0.3)" in capsys.readouterr().out
+    check_memory_plan(dict(cfg, trainer_device="cpu", gen_devices=["cpu"]), 2**20)  # train.py on a CPU
+    out = capsys.readouterr().out
+    assert "vLLM's KV cache on the CPU (" in out and "GPU" not in out, out
 
 
 def test_vllm_model_runner_is_pinned_and_read_back():

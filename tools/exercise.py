@@ -106,7 +106,7 @@ EXERCISES = {
             "self.versions.extend([version] * len(token_ids))\nself.stale.extend([False] * len(token_ids))\nreturn 0",
         ),
         task="record engine step `step`'s tokens on the answer: append their ids, logprobs, `version` and stale flag "
-        "(True when `version` sampled them reading KV that older weights wrote: kv_version < version). If this step "
+        "(True when `version` sampled them reading KV that older weights wrote). If this step "
         "was a (re)fill (kv_version None): set kv_version, call note_prefill (before the new tokens: it reads the "
         "partial answer), and, if the answer had tokens already (a rebuild), add prompt + partial answer to "
         "`recomputed`. Call note_tokens for every step (prefills and segments are the provenance answers.jsonl "
@@ -232,6 +232,13 @@ EXERCISES = {
 # keeps its own, for a reader who is not doing the exercise): {exercise: [(file, where, new text)]},
 # where a class's or function's qualname (its docstring is replaced) or a regex over the file (one match).
 UNSAY = {
+    "loss": [
+        (  # CISPO's body is loss_tis's answer with another clamp
+            "losses.py",
+            r'^    ratio = torch\.exp\(logp\.detach\(\) - mu\)\n    w = ratio\.clamp\(1 - cfg\["cispo_eps_low"\], .*\n.*\n',
+            '    raise NotImplementedError("not in this copy: it is the answer to loss_tis with another clamp; write loss_tis, then this")\n',
+        ),
+    ],
     "recompute": [
         (
             "regimes.py",
@@ -420,6 +427,7 @@ def make(name, dest):
         unsay(dest, n)
     for n in later(name) if name != ALL else ():
         stand_in(dest, n)
+        unsay(dest, n)
     if os.path.exists(os.path.join(ROOT, ".venv")):  # the project's venv, so that .venv/bin/python runs in the copy
         os.symlink(os.path.realpath(os.path.join(ROOT, ".venv")), os.path.join(dest, ".venv"))
     which = "NAME" if name == ALL else name

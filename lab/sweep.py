@@ -519,19 +519,10 @@ def recorded(sweep):
     return {(r["regime"], r["pool"], r["seed"]): r for r in marked.read("sweep") if r["sweep"] == sweep}
 
 
-def paired(sweep, a, b, key):
-    """[(a's key, b's key)] of regime a's and b's fifo runs, paired by seed; a seed either lacks is left out."""
-    runs = recorded(sweep)
-    return [
-        (x[key], runs[b, "fifo", s][key])
-        for (r, p, s), x in sorted(runs.items())
-        if (r, p) == (a, "fifo") and (b, "fifo", s) in runs
-    ]
-
-
 def difference(sweep, a, b):
     """Final pass@1 of regime a - regime b (fifo runs), in points, paired by seed."""
-    return [100 * (x - y) for x, y in paired(sweep, a, b, "acc1")]
+    runs = list(recorded(sweep).values())
+    return [100 * (x - y) for x, y in pairs(runs, (a, "fifo"), (b, "fifo"), lambda r: r["acc1"])]
 
 
 # the comparisons the pages quote, each one of analysis()'s claims for its sweep: (sweep, a, b)
@@ -566,7 +557,8 @@ def quoted(i):
 
 def pace_ratios(sweep, a, b):
     """Steps a minute of regime a over regime b (fifo runs), paired by seed: 'min-max'."""
-    r = [x / y for x, y in paired(sweep, a, b, "steps_per_min")]
+    runs = list(recorded(sweep).values())
+    r = [x / y for x, y in pairs(runs, (a, "fifo"), (b, "fifo"), lambda r: r["steps_per_min"])]
     return f"{min(r):.2f}-{max(r):.2f}x"
 
 

@@ -195,7 +195,9 @@ def check_memory_plan(cfg, logit_chunk_bytes, world=1):
         if on_gpu
         else f"vLLM's KV cache on the CPU ({os.environ.get('VLLM_CPU_KVCACHE_SPACE', KV_CACHE_GIB)} GiB)"
     )
-    print(f"generator memory plan, per engine: {share} + a push's buffers outside it, {push / 2**30:.2f} GiB", flush=True)
+    print(
+        f"generator memory plan, per engine: {share} + a push's buffers outside it, {push / 2**30:.2f} GiB", flush=True
+    )
     for device in sorted({d for d in cfg["gen_devices"] if d.startswith("cuda")} - {cfg["trainer_device"]}):
         left = (1 - cfg["gen_memory_utilization"]) * torch.cuda.get_device_properties(device).total_memory - 2**30
         if push > left:  # 1 GiB kept for the CUDA context and NCCL's buffers

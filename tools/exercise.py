@@ -235,8 +235,10 @@ UNSAY = {
     "loss": [
         (  # CISPO's body is loss_tis's answer with another clamp
             "losses.py",
-            r'^    ratio = torch\.exp\(logp\.detach\(\) - mu\)\n    w = ratio\.clamp\(1 - cfg\["cispo_eps_low"\], .*\n.*\n',
-            '    raise NotImplementedError("not in this copy: it is the answer to loss_tis with another clamp; write loss_tis, then this")\n',
+            r"^    ratio = torch\.exp\(logp\.detach\(\) - mu\)\n"
+            r'    w = ratio\.clamp\(1 - cfg\["cispo_eps_low"\], .*\n.*\n',
+            '    raise NotImplementedError("not in this copy: it is the answer to loss_tis with another clamp; "\n'
+            '                              "write loss_tis, then this")\n',
         ),
     ],
     "recompute": [

@@ -33,7 +33,7 @@ def advantages(rewards, group_size):
 def score_batch(cfg, tokenizer, batch, version=None):
     """Rewards and GRPO advantages of a batch of finished answers (whole groups of
     --group-size, in order). An answer cut at --max-new-tokens earns 0 (reward.py), and
-    with --truncated filter gets no gradient either (DAPO's overlong filtering).
+    with --truncated filter gets no gradient either (as DAPO, a GRPO variant, filters).
     Returns (advantages (answers,), what the step logs about its answers). With
     `version` (the weights this step trains), each answer also gets "lag" per token:
     version minus the version that wrote it, which the step's diagnostics split by."""
@@ -242,7 +242,7 @@ def token_weights(cfg, batch):
     """(answers,): how much each token of each answer counts in the loss (--loss-agg).
     A token-level mean over the batch weights every token alike, so long answers
     dominate; the per-answer mean (the original GRPO) weights every answer alike, its
-    tokens 1/length each; Dr. GRPO's constant normaliser (answers x --max-new-tokens)
+    tokens 1/length each; the GRPO variant Dr. GRPO's constant (answers x --max-new-tokens)
     weights every token alike but does not shrink a batch of short answers' gradient."""
     lengths = torch.tensor([len(s["token_ids"]) for s in batch], dtype=torch.float32)
     if cfg["loss_agg"] == "token":
@@ -306,8 +306,9 @@ def pi_old(cfg, model, parts, device="cpu", ranks=OneRank):
 
 def step(cfg, model, opt, it, parts, device="cpu", ranks=OneRank, settle=lambda: None):
     """--minibatches AdamW steps, one per part: (answers, advantages, token weights, micro-batches).
-    Both loops take it: train.py passes what only it has (its ranks' collectives, the push guard's
-    settle), lesson.py nothing. Returns what the steps log, summed over the ranks."""
+    Both loops take it: train.py passes what only it has (its ranks' collectives; `settle`, which holds
+    an optimizer step until the last push, whose tensors it overwrites, is out), lesson.py nothing. Returns what the
+    steps log, summed over the ranks."""
     model.train()
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, it)

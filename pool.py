@@ -73,7 +73,7 @@ class Pool:
     arrives; take(version) returns (consumed, rejected) groups once the step's groups,
     the oldest not yet taken, are all complete, else None (the trainer then waits for
     more answers). `position` is the oldest group not yet consumed or rejected, and
-    `done` the groups after it that are (PACE can reject a group ahead of an older one
+    `done` the groups after it that are (`--pool pace` can reject a group ahead of an older one
     still being written): a checkpoint saves both, so a resumed run regenerates
     exactly the groups neither consumed nor rejected."""
 

@@ -526,7 +526,11 @@ def difference(sweep, a, b):
 
 
 # the comparisons the pages quote, each one of analysis()'s claims for its sweep: (sweep, a, b)
-QUOTED = [("long-3935084", "stale", "recompute"), ("issue51-f4a32f1", "recompute", "sync")]
+QUOTED = [
+    ("long-3935084", "stale", "recompute"),
+    ("issue51-f4a32f1", "recompute", "sync"),
+    ("issue51-9bcf05e", "recompute", "sync"),  # issue 51's other commit: the same sync runs
+]
 
 
 def finals_table():
@@ -566,6 +570,7 @@ TABLES = {"sweep-finals": finals_table}
 VALUES = {  # the README's train.py sentences
     "t-level": lambda: quoted(0),
     "t-cost": lambda: quoted(1),
+    "t-cost-9bcf05e": lambda: quoted(2),
     "t-stale-drain-sweep": lambda: pace_ratios("long-3935084", "stale", "drain"),
 }
 

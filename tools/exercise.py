@@ -290,6 +290,16 @@ UNSAY = {
             "admits a group only while\nnone of its tokens can be trained more than k versions after the weights "
             "that sampled it\n(`engine.Generator.may_admit`; the bound in groups is the `max_lag` exercise).",
         ),
+        (  # the worked example's instance of the bound
+            "docs/course.md",
+            r"Check it against the rule, g < \(v \+ 2 \+ 1\) x 16, that is b <= v \+ 2: holding v0",
+            "Check it against the rule (the `max_lag` exercise writes it): holding v0",
+        ),
+        (  # PACE's note gave the bound in groups
+            "lab/archive.md",
+            r"PACE can reject at most \(max_lag \+ 1\) x prompts_per_step -\ntarget groups in a whole run",
+            "PACE can reject only a bounded number of\ngroups in a whole run",
+        ),
     ],
 }
 SKIP = (".git", ".venv", "out", "__pycache__", ".pytest_cache", ".hypothesis", "smol")

@@ -36,7 +36,7 @@ def score_batch(cfg, tokenizer, batch, version=None):
     with --truncated filter gets no gradient either (as DAPO, a GRPO variant, filters).
     Returns (advantages (answers,), what the step logs about its answers). With
     `version` (the weights this step trains), each answer also gets "lag" per token:
-    version minus the version that wrote it, which the step's diagnostics split by."""
+    version minus the version that sampled it, which the step's diagnostics split by."""
     for s in batch if version is not None else ():
         s["lag"] = version - s["versions"]
     texts = tokenizer.batch_decode([s["token_ids"].tolist() for s in batch], skip_special_tokens=True)

@@ -1,7 +1,8 @@
 """
 The course's experiments (docs/course.md), each a few runs of lesson.py on its simulated
-clock, and their tables. The numbers are the same on every machine, up to its floating
-point: a second run of this command prints the same tables.
+clock, and their tables, which it also writes into the pages (lab/data/course.jsonl keeps
+each run). A second run on the same processor prints the same tables; another processor's
+rounding can change a sampled token, and every number after it.
 
     .venv/bin/python lab/course.py                      # every experiment, one run at a time, one thread each
     .venv/bin/python lab/course.py --jobs 2             # two runs at a time (one core each: the same files)
@@ -219,7 +220,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("experiments", nargs="*", help=f"which of {', '.join(EXPERIMENTS)} (default: all)")
     p.add_argument("--out", default=os.path.join("out", "course"), help="where the runs go")
-    p.add_argument("--table-only", action="store_true", help="no new runs: tables from the runs on disk")
+    p.add_argument(
+        "--table-only",
+        action="store_true",
+        help="no new runs: the tables from the runs on disk (or lab/data), into the pages",
+    )
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each on one thread)")
     args = p.parse_args()
     unknown = [e for e in args.experiments if e not in EXPERIMENTS]

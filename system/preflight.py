@@ -188,12 +188,12 @@ def check_memory_plan(cfg, logit_chunk_bytes, world=1):
     )
     on_gpu = cfg["gen_devices"][0].startswith("cuda")
     push = engine_plan(config, 2 if on_gpu else 4, on_cpu=not on_gpu)
-    from engine import KV_CACHE_GIB
+    from engine import vllm_env
 
     share = (
         f"vLLM's share of its GPU ({cfg['gen_memory_utilization']})"
         if on_gpu
-        else f"vLLM's KV cache on the CPU ({os.environ.get('VLLM_CPU_KVCACHE_SPACE', KV_CACHE_GIB)} GiB)"
+        else f"vLLM's KV cache on the CPU ({vllm_env(on_cpu=True)['VLLM_CPU_KVCACHE_SPACE']} GiB)"
     )
     print(
         f"generator memory plan, per engine: {share} + a push's buffers outside it, {push / 2**30:.2f} GiB", flush=True

@@ -275,9 +275,10 @@ def cost(run, regime):
     return ""  # a regime of your own (regimes.REGIMES): its panel is titled by its name alone
 
 
-def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
-    """The answers figure of one run, or one panel per run sharing the time scale.
-    Returns (path, selections): what each panel shows, for tests and captions."""
+def plot_answers(runs, window=None, lanes=24, out=None, engine=None, costs=True):
+    """The answers figure of one run, or one panel per run sharing the time scale; with paid, each
+    panel's title says what its run's regime paid (plot.cost). Returns (path, selections): what
+    each panel shows, for tests and captions."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,15 +295,15 @@ def plot_answers(runs, window=None, lanes=24, out=None, engine=None):
         ax, pax = axes[2 * i], axes[2 * i + 1]
         versions |= draw_answers(ax, pax, s)
         name = os.path.basename(os.path.normpath(s["run"]))
+        shared = sum(t["regime"] == s["regime"] for t in sels) > 1  # two panels of one regime: name the runs
         what = (
             f"{s['alive']} answer{'s' * (s['alive'] != 1)} half-written when v{s['switch']['version']} was sent"
             if s["switch"]
             else f"answers alive in {window[0]:g}-{window[1]:g} s"
         )
-        paid = cost(s["run"], s["regime"])
-        ax.set_title(
-            f"{s['regime']}" + (f" ({paid})" if paid else "") + f": {what}   ({name})", fontsize=10, loc="left"
-        )
+        paid = cost(s["run"], s["regime"]) if costs else ""
+        s["title"] = s["regime"] + (f" ({paid})" if paid else "") + f": {what}" + (f"   ({name})" if shared else "")
+        ax.set_title(s["title"], fontsize=10, loc="left")
     lo = min(s["xlim"][0] for s in sels)
     hi = max(s["xlim"][1] for s in sels)
     axes[-1].set_xlim(lo, hi)
@@ -433,13 +434,18 @@ if __name__ == "__main__":
     p.add_argument("--lanes", type=int, default=24, help="at most this many answers per panel")
     p.add_argument("--engine", type=int, default=None, help="--engines N runs: one engine's answers (default: all)")
     p.add_argument(
+        "--no-cost",
+        action="store_true",
+        help="titles without what each run paid (the README's figure: a table beside it gives the costs)",
+    )
+    p.add_argument(
         "--out", default=None, help="PNG path (default: RUN/answers.png, or the first RUN's answers_compare.png)"
     )
     args = p.parse_args()
     if args.curves:
         print(plot_curves(seed_groups(args.runs), args.out or os.path.join(args.runs[0], "curves.png")))
     elif args.answers:
-        print(plot_answers(args.runs, args.window, args.lanes, args.out, args.engine)[0])
+        print(plot_answers(args.runs, args.window, args.lanes, args.out, args.engine, not args.no_cost)[0])
     else:
         for run in args.runs:
             print(plot_run(run))

@@ -17,10 +17,11 @@ import pytest
 
 import data
 import lesson
+import plot
 import regimes
 import reward
 from helpers import LESSON_ARGS, lesson_engine, read
-from plot import cost
+from plot import cost, plot_answers
 
 
 class Patient:
@@ -56,7 +57,8 @@ def run_lesson(args, out):
 
 def test_a_sixth_regime_is_one_class(tmp_path, monkeypatch):
     """Registered in REGIMES, it is a --regime choice, runs the lesson's loop to its end, and its panel
-    of the answers figure is titled by its name alone (plot.cost knows what the five pay, not what it does)."""
+    of the answers figure is titled by its name alone (plot.cost knows what the five pay, not what it does;
+    the run's name joins a title where two panels share a regime)."""
     monkeypatch.setitem(regimes.REGIMES, "patient", Patient)
     run = run_lesson([*LESSON_ARGS, "--regime", "patient", "--steps", "3"], tmp_path / "patient")
     metrics, answers = read(run, "metrics.jsonl"), read(run, "answers.jsonl")
@@ -66,6 +68,13 @@ def test_a_sixth_regime_is_one_class(tmp_path, monkeypatch):
     assert all(m["discarded_tokens"] == m["recomputed_tokens"] == 0 for m in metrics)
     titles = {name: cost(run, name) for name in regimes.REGIMES}
     assert titles.pop("patient") == "" and all(titles.values()), titles
+    monkeypatch.setattr(plot, "cost", lambda run, regime: "paid")  # as if it knew what patient pays
+    _, sels = plot_answers([run, run], lanes=4, out=str(tmp_path / "two.png"))  # one regime twice: runs named
+    assert [s["title"].split(":")[0] for s in sels] == ["patient (paid)"] * 2, sels[0]["title"]
+    assert sels[0]["title"].endswith("   (patient)")
+    _, (sel,) = plot_answers([run], lanes=4, out=str(tmp_path / "one.png"), costs=False)  # the README's titles
+    n, v = sel["alive"], sel["switch"]["version"]
+    assert sel["title"] == f"patient: {n} answer{'s' * (n != 1)} half-written when v{v} was sent", sel["title"]
 
 
 def test_a_switch_that_waits_with_nothing_in_flight_is_refused(tmp_path, monkeypatch):

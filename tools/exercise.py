@@ -40,7 +40,7 @@ EXERCISES = {
         run="",
         task="GRPO's advantage: each answer's reward minus its group's mean, over its group's std + 1e-4, the "
         "unbiased std (divided by group_size - 1, torch's default); a group of equal rewards gets 0; return a tensor "
-        "of rewards' shape and dtype (float32)",
+        "of rewards' shape and dtype (float32). The graders work groups of 4, 2 and 3 by hand (one of equal rewards)",
         hint="rewards arrive group after group: view them as (groups, group_size)",
         graders=[
             "tests/test_train.py::test_advantages_by_hand",
@@ -56,7 +56,8 @@ EXERCISES = {
         ),
         task="token-level truncated importance sampling: w = min(pi/mu, is_cap), detached; per-token loss "
         "-w A log pi; return it and which tokens the cap bound (pi/mu > is_cap), as a bool tensor (the caller "
-        "combines it with other masks by &)",
+        "combines it with other masks by &). The graders check the loss, its gradient and the mask on tokens worked "
+        "by hand, then grpo.train_step's loss and gradient, whole and micro-batched, against a reference",
         hint="logp is log pi (with a gradient), mu is log mu (from generation); exp of their difference is pi/mu",
         graders=[
             "tests/test_losses.py::test_loss_by_hand[tis]",
@@ -72,7 +73,9 @@ EXERCISES = {
             "return loss_ppo(cfg, logp, old, mu, adv, answer)",
         ),
         task="IcePop: decoupled PPO whose mismatch weight k = pi_old/mu is kept inside [icepop_low, icepop_high] "
-        "and set to 0 outside; return the per-token loss and which tokens were clipped or masked",
+        "and set to 0 outside; return the per-token loss and which tokens were clipped or masked. The graders check "
+        "the loss, its gradient and the mask on tokens worked by hand (a token masked that PPO would not clip "
+        "among them), then grpo.train_step against a reference",
         hint="ppo_clip gives PPO's surrogate against pi_old and where it binds; loss_ppo is one line away",
         graders=[
             "tests/test_losses.py::test_loss_by_hand[icepop]",
@@ -87,7 +90,8 @@ EXERCISES = {
         task="M2PO's mask over a step's tokens, m2 (N,) their (log pi_old/mu)^2: sorted largest first (s), mask the k "
         "largest for the least k at which the mean of the rest, s[k:], is below tau (k at most N - 1: one is kept); "
         "return s[k], the largest value kept, or inf if k is 0. Ties are read by value: the loss keeps every token at "
-        "or below s[k], so a token tied with s[k] is kept even if k counted it (the mean kept can then be tau or more)",
+        "or below s[k], so a token tied with s[k] is kept even if k counted it (the mean kept can then be tau or "
+        "more). The graders work six tokens by hand (tau at its edges, ties), then the loss and grpo.train_step",
         hint="sort once, largest first; the mean of what is left after masking k tokens is a mean of a suffix",
         graders=[
             "tests/test_losses.py::test_m2po_masks_the_largest_until_the_rest_is_under_tau",
@@ -177,7 +181,9 @@ EXERCISES = {
         stand_in=("rejects no group: --pool pace takes groups as fifo does", "return []"),
         task="PACE: reject up to len(pool) - target groups, highest effective staleness first (of groups tied in "
         "it, the one that completed first is rejected first), never leaving fewer than n; return the rejected groups "
-        "as a list (any order), each removed from the pool dict",
+        "as a list (any order), each removed from the pool dict. The graders check, by hand: the ranking (a long "
+        "answer with one old token against a short old one, lam 0), the budget, the floor n, ties, and the order "
+        "in which the pool replaces what it rejected",
         hint="effective_staleness and _completed are there to use",
         graders=[
             f"tests/test_pace.py::{t}"

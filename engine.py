@@ -11,8 +11,15 @@ goes to a list (the outbox), and the time it reads comes from a clock it is give
 (WallClock in the generator process, lesson.SimClock in the lesson).
 """
 
+import logging
 import os
 import time
+import warnings
+
+# quiet: two things vLLM's import prints on every CPU machine, about neither the run nor its results (its Triton
+# has no CPU backend; its kernel dispatcher touches torch's deprecated reduce_op); vLLM's own loading bar: below
+logging.getLogger("vllm.triton_utils.importing").addFilter(lambda r: "include CPU backend" not in r.getMessage())
+warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated")
 
 
 class WallClock:
@@ -201,6 +208,7 @@ def make_engine(cfg, worker_extension=None):
         gpu_memory_utilization=cfg.get("gen_memory_utilization") or 0.9,  # devices.resolve_devices'; unused on CPU
         enforce_eager=not on_gpu,  # on CPU the model runs uncompiled, as the sampler below: no compile at each start
         disable_log_stats=True,  # quiet: the run's own log says what a step did
+        use_tqdm_on_load=False,  # and its bar for a load of weights from disk, a second at the start
     )
     if not on_gpu:
         # nothing compiled on CPU: enforce_eager leaves the model eager, and this leaves eager the

@@ -36,17 +36,12 @@ from tools.exercise import (
 )
 
 
-def test_every_grader_fails_on_every_exercise_and_passes_on_the_project(tmp_path):
+def test_every_grader_fails_on_every_exercise_and_passes_on_the_project(graded):
     """Each exercise's copy as `make` writes it fails every one of its graders, and every
     exercise's graders pass on the project's own code (the fast tier runs the cheap ones:
     test_the_cheap_graders_are_the_exercises_and_pass). Each copy, and the project, graded
-    in its own pytest, forked from one process: tools/exercise.py's check_jobs."""
-    for name in EXERCISES:
-        make(name, str(tmp_path / name))
-    graders = sorted({g for ex in EXERCISES.values() for g in ex["graders"]})
-    *results, project = check_jobs(
-        [(EXERCISES[name]["graders"], str(tmp_path / name), name) for name in EXERCISES] + [(graders, ROOT, None)]
-    )
+    in its own pytest (the graded fixture)."""
+    results, project = graded["made"]
     passing = {name: [t for t, ok in got.items() if ok] for name, got in zip(EXERCISES, results)}
     assert all(results) and not any(passing.values()), passing
     assert project and all(project.values()), [t for t, ok in project.items() if not ok]
@@ -505,13 +500,11 @@ def test_check_ignores_the_copys_tests_and_counts_a_skip_as_a_fail(tmp_path):
     assert check(graders[:1], str(copy)) == {graders[0]: False}
 
 
-def grade_variants(tmp, variants, graders, project):
+def variant_jobs(tmp, variants, graders):
     """Each variant of `variants` ({exercise: [(label, file, old, new)]}, tests/exercise_mutants.py)
-    put alone into a copy of the project and graded by graders(exercise) (with project: the
-    project too, graded the same way), every copy of every exercise in one check_jobs call:
-    each copy in its own pytest, all forked from one process that imported the libraries once.
-    Returns {exercise: (each variant's {grader: passed}, the project's or None)}."""
-    jobs, spans = [], {}  # spans: exercise -> its variants' jobs, jobs[a:b]; its project job, jobs[b]
+    put alone into a copy of the project, to be graded by graders(exercise): ({exercise: (a, b)}, the
+    check_jobs jobs, its variants' jobs[a:b])."""
+    jobs, spans = [], {}
     for name, table in variants.items():
         exercise = name if name in EXERCISES else None
         first = len(jobs)
@@ -521,43 +514,54 @@ def grade_variants(tmp, variants, graders, project):
             replace(os.path.join(copy, file), old, new)
             jobs.append((graders(name), copy, exercise))
         spans[name] = (first, len(jobs))
-        if project:
-            jobs.append((graders(name), ROOT, exercise))
-    results = check_jobs(jobs)
-    return {name: (results[a:b], results[b] if project else None) for name, (a, b) in spans.items()}
+    return spans, jobs
 
 
 @pytest.fixture(scope="module")
-def mutants_graded(tmp_path_factory):
-    return grade_variants(
-        tmp_path_factory.mktemp("mutants"), MUTANTS, lambda name: CHEAP.get(name) or EXERCISES[name]["graders"], True
+def graded(tmp_path_factory):
+    """Every grade this file's three proofs read, in one check_jobs call (tools/exercise.py: each copy in
+    its own pytest, all forked from one process that imported the libraries once; as many at a time as
+    there are cores, the slow graders' copies first, so that no core waits alone at the end): each
+    exercise's copy as `make` writes it and the project under every grader ("made"); each wrong answer
+    under its exercise's cheap graders ("mutants"); each right answer in another form under all its
+    exercise's graders ("accepted"). {kind: ...} as the tests below read it."""
+    tmp = tmp_path_factory.mktemp("graded")
+    for name in EXERCISES:
+        make(name, str(tmp / "made" / name))
+    graders = sorted({g for ex in EXERCISES.values() for g in ex["graders"]})
+    made = [(graders, ROOT, None)]  # the project under every grader: the longest job, so it goes first
+    made += [(EXERCISES[name]["graders"], str(tmp / "made" / name), name) for name in EXERCISES]
+    accepted, a_jobs = variant_jobs(tmp / "accepted", ACCEPTED, lambda name: EXERCISES[name]["graders"])
+    mutants, m_jobs = variant_jobs(tmp / "mutants", MUTANTS, lambda name: CHEAP.get(name) or EXERCISES[name]["graders"])
+    results = check_jobs(made + a_jobs + m_jobs)
+    a_res, m_res = results[len(made) : len(made) + len(a_jobs)], results[len(made) + len(a_jobs) :]
+    return dict(
+        made=(results[1 : len(made)], results[0]),
+        accepted={name: a_res[a:b] for name, (a, b) in accepted.items()},
+        mutants={name: m_res[a:b] for name, (a, b) in mutants.items()},
     )
 
 
-@pytest.fixture(scope="module")
-def accepted_graded(tmp_path_factory):
-    return grade_variants(tmp_path_factory.mktemp("accepted"), ACCEPTED, lambda name: EXERCISES[name]["graders"], False)
-
-
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_every_mutant_fails_a_grader(name, mutants_graded):
+def test_every_mutant_fails_a_grader(name, graded):
     """Each wrong answer of tests/exercise_mutants.py, put alone into a copy of the
     project, fails at least one of the exercise's cheap graders (each copy graded in its
-    own pytest, forked from one process: tools/exercise.py's check_jobs, by grade_variants)."""
-    results, project = mutants_graded[name]
+    own pytest: the graded fixture). That the
+    project passes the same graders, graded the same way (a grading tree, tools/exercise.py's check), is
+    test_the_cheap_graders_are_the_exercises_and_pass."""
+    results = graded["mutants"][name]
     for (label, *_), got in zip(MUTANTS[name], results):
         print(f"{name}: {label}: caught by", [g for g, ok in got.items() if not ok])
     assert len(results) == len(MUTANTS[name]) and all(results), results
     assert not [m[0] for m, got in zip(MUTANTS[name], results) if all(got.values())], "mutants no grader catches"
-    assert all(project.values()), project  # and the project passes them, graded the same way
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
-def test_every_accepted_variant_passes_every_grader(name, accepted_graded):
+def test_every_accepted_variant_passes_every_grader(name, graded):
     """The mirror of the mutants: each right answer in another form the task allows
     (tests/exercise_mutants.py's ACCEPTED), put alone into a copy, passes every grader of its
     exercise."""
-    results, _ = accepted_graded[name]
+    results = graded["accepted"][name]
     assert len(results) == len(ACCEPTED[name])
     rejected = {v[0]: [g for g, ok in got.items() if not ok] for v, got in zip(ACCEPTED[name], results)}
     assert not any(rejected.values()), f"right answers a grader rejects: {rejected}"

@@ -141,7 +141,10 @@ def main(argv=None):
     os.makedirs(cfg["out"], exist_ok=True)
     with open(os.path.join(cfg["out"], "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    print(json.dumps(cfg, indent=1))
+    print(
+        f"every setting: {os.path.join(cfg['out'], 'config.json')} (--regime {cfg['regime']}, "
+        f"--preset {cfg['preset']}, --dataset {cfg['dataset']}, {cfg['steps']} steps)"
+    )
 
     wall_s0 = cut_logs(cfg["out"], state) if cfg.get("resume") else 0.0  # resume: drop what came after the checkpoint
     log = RunLog(cfg["out"], cfg["tensorboard"])

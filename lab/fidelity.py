@@ -230,7 +230,8 @@ def readme_table():
     """The README's regimes table: train.py's own runs on the long preset, each number its seeds' mean."""
     t = rows("train.py")
     lines = [
-        "| regime | pass@1 0.469 -> | steps/min | stale tokens | lag | generator idle or draining | trainer waiting |",
+        "| regime | pass@1 0.469 -> | steps/min | stale tokens | lag | generator idle or draining "
+        "| trainer waiting for answers |",
         "|---" * 7 + "|",
     ]
     for regime in REGIMES:

@@ -225,7 +225,8 @@ EXERCISES = {
         ),
         run=" --regime stale",  # the symptom is in stale tokens: the default regime (recompute) trains none
         task="this copy runs, learns, and is wrong: its stale share is a little low; find where from answers.jsonl "
-        "(a stale run's segments around a switch), then the line",
+        "(a stale run's segments around a switch), then the line. The graders check one answer's record by hand, "
+        "stale tokens' logprobs against Hugging Face's, and what a stale lesson run promises",
         hint="which weights wrote the KV that the first token after a switch reads?",
         graders=[
             "tests/test_graders.py::test_record_by_hand",
@@ -259,7 +260,7 @@ UNSAY = {
             "regimes.py",
             r"^#   rollout\.kv_version = None.*\n(?:# {10,}.*\n)*",
             "#   rollout.kv_version                  the version whose weights wrote the KV the answer reads now\n"
-            "#                                       (engine.Rollout.record reads it and keeps it)\n",
+            "#                                       (engine.Rollout.record reads it; a regime may set it)\n",
         ),
         (
             "docs/fork.md",

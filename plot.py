@@ -276,7 +276,7 @@ def cost(run, regime):
 
 
 def plot_answers(runs, window=None, lanes=24, out=None, engine=None, costs=True):
-    """The answers figure of one run, or one panel per run sharing the time scale; with paid, each
+    """The answers figure of one run, or one panel per run sharing the time scale; with costs, each
     panel's title says what its run's regime paid (plot.cost). Returns (path, selections): what
     each panel shows, for tests and captions."""
     import matplotlib

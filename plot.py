@@ -23,7 +23,7 @@ COLOURS = {
     "draining": "tab:orange",
     "loading": "tab:red",
     "idle": "lightgrey",
-    "evaluating": "tab:purple",
+    "evaluating": "navy",
     "training": "tab:blue",
     "syncing": "tab:red",
     "waiting": "lightgrey",

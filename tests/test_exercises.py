@@ -186,7 +186,7 @@ def test_no_task_or_hint_says_a_silent_bugs_fix():
 SAID = {
     "loss": ("torch.exp(logp.detach() - mu)",),
     "recompute": ("kv_version = None",),
-    "max_lag": ("+ max_lag + 1)", "+ k + 1)", "(v + 2 + 1)", "(max_lag + 1) x"),
+    "max_lag": ("+ max_lag + 1)", "+ k + 1)", "(v + 2 + 1)", "(max_lag + 1) x", "b <= v +", "<= {b['version'] + k}"),
 }
 
 

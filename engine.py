@@ -19,7 +19,7 @@ import warnings
 # quiet: two things vLLM's import prints on every CPU machine, about neither the run nor its results (its Triton
 # has no CPU backend; its kernel dispatcher touches torch's deprecated reduce_op); vLLM's own loading bar: below
 logging.getLogger("vllm.triton_utils.importing").addFilter(lambda r: "include CPU backend" not in r.getMessage())
-warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated")
+warnings.filterwarnings("ignore", message=r".*\.reduce_op` is deprecated")
 
 
 class WallClock:

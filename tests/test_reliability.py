@@ -266,11 +266,11 @@ def check_groups(run, cfg, steps):
 
 def first_run_transcript():
     """What docs/gpu.md says a first run prints, in its order, as line prefixes: each line it quotes cut
-    where the machine's own part begins (a device, "..."), and "its config" as the JSON's first line."""
+    where the machine's own part begins (a device, "...")."""
     text, run = " ".join(open(os.path.join("docs", "gpu.md")).read().split()), "--dataset gsm8k` prints"
     start = text.index(run) + len(run)
-    said = re.findall(r"`([^`]*)`|(its config)", text[start : text.index("What stops it", start)])
-    return ["{" if config else re.split(r"cuda|\.\.\.", quoted)[0] for quoted, config in said]
+    said = re.findall(r"`([^`]*)`", text[start : text.index("What stops it", start)])
+    return [re.split(r"cuda|\.\.\.", quoted)[0] for quoted in said]
 
 
 def test_pace_keeps_rejecting_within_the_lag_bound(tmp_path):
